@@ -1,0 +1,86 @@
+"""The one place that decides which kernel runs each linear op, and says so.
+
+A `KernelPolicy` maps a row count (and shape) to a kernel. The
+`KernelDispatcher` applies it to every linear op of a step, honours per-step
+forcing (replay), and emits a `KernelChoice` event for each decision.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import mlx.core as mx
+
+from ..errors import PolicyError
+from . import kernels
+from .events import KernelChoice
+from .kernels import BATCH_INVARIANT, GEMM, GEMV, NATIVE, LinearOp
+
+POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm"
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """`threshold` is None except for threshold:N (rows <= N -> gemv, else gemm)."""
+
+    name: str
+    threshold: int | None = None
+
+    @classmethod
+    def parse(cls, text: "str | KernelPolicy") -> "KernelPolicy":
+        if isinstance(text, KernelPolicy):
+            return text
+        t = str(text).strip().lower()
+        if t in (NATIVE, BATCH_INVARIANT, GEMV, GEMM):
+            return cls(t)
+        if t.startswith("threshold:"):
+            try:
+                n = int(t.split(":", 1)[1])
+            except ValueError:
+                n = -1
+            if n < 1:
+                raise PolicyError(f"bad kernel policy {text!r}: threshold:N needs an integer N >= 1")
+            return cls("threshold", n)
+        raise PolicyError(f"unknown kernel policy {text!r} (expected {POLICY_HELP})")
+
+    def __str__(self) -> str:
+        return f"threshold:{self.threshold}" if self.threshold is not None else self.name
+
+    def kernel_for(self, rows: int) -> str:
+        if self.threshold is not None:
+            return GEMV if rows <= self.threshold else GEMM
+        return self.name
+
+
+class KernelDispatcher:
+    """Runs linear ops for one model under a policy; emits KernelChoice events."""
+
+    def __init__(self, policy: KernelPolicy, model: str, emit: Callable[[KernelChoice], None] | None = None):
+        self.policy = policy
+        self.model = model
+        self.emit = emit
+        self.forced: dict[int, KernelPolicy] = {}  # step -> policy forced for that step (replay)
+        self._step = -1
+        self._step_policy = policy
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        self._step_policy = self.forced.get(step, self.policy)
+
+    def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
+        m = x.shape[0]
+        kernel = self._step_policy.kernel_for(m)
+        splits = 1
+        if kernel == GEMM:
+            group = op.module.group_size if op.quantized else 1
+            splits = kernels.gemm_splits(m, op.n, op.k, group=group)
+            out = kernels.run_gemm(x, op, splits)
+        elif kernel == GEMV:
+            out = kernels.run_gemv(x, op)
+        elif kernel == BATCH_INVARIANT:
+            out = kernels.run_batch_invariant(x, op)
+        else:
+            out = kernels.run_native(x, op)
+        if self.emit is not None:
+            self.emit(KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits))
+        return out

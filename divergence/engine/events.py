@@ -1,0 +1,162 @@
+"""What the engine tells the world: plans of each step and what happened in them.
+
+Data flows one way: scheduler -> StepPlan -> forward -> sampler -> these events
+-> observers (the trace writer, progress bars). Nothing here imports mlx, so the
+trace and analysis layers can use these types without the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+# Phases of a sequence slice inside one packed step.
+PREFILL = "prefill"
+DECODE = "decode"
+VERIFY = "verify"  # target scores k draft proposals + 1 (k+1 rows)
+DRAFT = "draft"  # the draft model proposes (its own forward pass)
+PHASES = (PREFILL, DECODE, VERIFY, DRAFT)
+
+TARGET = "target"
+DRAFT_MODEL = "draft"
+MODELS = (TARGET, DRAFT_MODEL)
+
+# How a generated token came to be (TokenEvent.spec).
+SPEC_NONE = 0  # plain decoding, no draft involved
+SPEC_ACCEPTED = 1  # a draft proposal the target accepted
+SPEC_CORRECTED = 2  # the target's own token after a rejection, or the bonus token
+
+# Linear ops that go through kernel dispatch, in forward order.
+LINEAR_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@dataclass(frozen=True)
+class SeqSlice:
+    """One sequence's contiguous run of rows inside a packed step."""
+
+    request_id: str
+    phase: str
+    start: int  # position of the first token in the sequence
+    count: int  # number of rows (tokens)
+    row_offset: int  # first row of this slice in the step's [T, hidden] input
+    tokens: tuple[int, ...]  # input token ids for these rows
+    # Rows (relative to the slice) whose logits are needed (sampling/verify).
+    logit_rows: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Everything needed to execute one forward pass exactly; replay re-runs these."""
+
+    index: int
+    model: str  # TARGET or DRAFT_MODEL
+    slices: tuple[SeqSlice, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(s.count for s in self.slices)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(s.request_id for s in self.slices)
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """Which kernel ran one linear op of one step (layer == num_layers for lm_head)."""
+
+    step: int
+    model: str
+    layer: int
+    op: str
+    rows: int
+    kernel: str  # "native" | "gemv" | "gemm" | "batch-invariant" (+ detail below)
+    m: int
+    n: int
+    k: int
+    splits: int = 1  # split-K partitions used (gemm); 1 for others
+
+
+@dataclass
+class KvWrite:
+    """One write of K/V rows of one request and layer into the paged cache."""
+
+    step: int
+    model: str
+    request_id: str
+    layer: int
+    start: int
+    count: int
+    # One 64-bit xxh3 hash per position of the exact bytes written (all kv heads).
+    k_hashes: np.ndarray  # uint64 [count]
+    v_hashes: np.ndarray  # uint64 [count]
+
+
+@dataclass
+class TokenEvent:
+    """A token the engine committed to a request's output."""
+
+    step: int
+    request_id: str
+    position: int  # position of this token in the sequence (prompt_len + generated index)
+    token: int
+    spec: int  # SPEC_NONE | SPEC_ACCEPTED | SPEC_CORRECTED
+    topk_ids: np.ndarray  # int32 [k], best first
+    topk_logits: np.ndarray  # float32 [k], raw logits as the model produced them
+
+
+@dataclass
+class StepEvent:
+    """A finished forward pass: its plan and how long it took."""
+
+    plan: StepPlan
+    duration_s: float
+
+
+@dataclass
+class RequestEvent:
+    """Lifecycle of a request: 'arrived', 'finished' (with reason) or 'error'."""
+
+    step: int
+    request_id: str
+    kind: str
+    detail: str = ""
+
+
+@dataclass
+class RunInfo:
+    """Facts about a run, known before its first step."""
+
+    schedule: str
+    policy: str
+    settings: dict = field(default_factory=dict)  # token budget, spec_k, top_k, dtype, ...
+    requests: Sequence = ()  # engine Request objects (id, prompt_tokens, arrival, max_tokens, sampling)
+    model: dict = field(default_factory=dict)  # path, config, weights hash, tokenizer hash
+    draft: dict | None = None
+    environment: dict = field(default_factory=dict)  # versions, backend, device, BLAS
+
+
+class Observer:
+    """Receives engine events. Subclasses override what they need.
+
+    `wants_kv_hashes` / `wants_topk` / `wants_kernels`: the engine skips that work
+    when no observer asks, so an unobserved run pays nothing for tracing.
+
+    Order within one step: on_kernel* (during the forward), on_kv_write*,
+    on_token*, on_request* (arrivals are sent before the step that first
+    schedules them; finishes after its tokens), then on_step, which closes the
+    step: a writer flushes there.
+    """
+
+    wants_kv_hashes: bool = False
+    wants_topk: bool = False
+    wants_kernels: bool = False
+
+    def on_run_start(self, info: RunInfo) -> None: ...
+    def on_step(self, event: StepEvent) -> None: ...
+    def on_kernel(self, choice: KernelChoice) -> None: ...
+    def on_kv_write(self, write: KvWrite) -> None: ...
+    def on_token(self, event: TokenEvent) -> None: ...
+    def on_request(self, event: RequestEvent) -> None: ...
+    def on_run_end(self, completed: bool) -> None: ...
