@@ -16,15 +16,17 @@ from . import kernels
 from .events import KernelChoice
 from .kernels import BATCH_INVARIANT, GEMM, GEMV, NATIVE, LinearOp
 
-POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm"
+POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS"
 
 
 @dataclass(frozen=True)
 class KernelPolicy:
-    """`threshold` is None except for threshold:N (rows <= N -> gemv, else gemm)."""
+    """`threshold` is None except for threshold:N (rows <= N -> gemv, else gemm);
+    `splits` pins gemm's split-K (gemm:S), which replay uses to reproduce a recorded gemm."""
 
     name: str
     threshold: int | None = None
+    splits: int | None = None
 
     @classmethod
     def parse(cls, text: "str | KernelPolicy") -> "KernelPolicy":
@@ -33,23 +35,34 @@ class KernelPolicy:
         t = str(text).strip().lower()
         if t in (NATIVE, BATCH_INVARIANT, GEMV, GEMM):
             return cls(t)
+        if t.startswith("gemm:"):
+            n = _int_after_colon(t)
+            if n < 1:
+                raise PolicyError(f"bad kernel {text!r}: gemm:S needs an integer split count S >= 1")
+            return cls(GEMM, splits=n)
         if t.startswith("threshold:"):
-            try:
-                n = int(t.split(":", 1)[1])
-            except ValueError:
-                n = -1
+            n = _int_after_colon(t)
             if n < 1:
                 raise PolicyError(f"bad kernel policy {text!r}: threshold:N needs an integer N >= 1")
             return cls("threshold", n)
         raise PolicyError(f"unknown kernel policy {text!r} (expected {POLICY_HELP})")
 
     def __str__(self) -> str:
-        return f"threshold:{self.threshold}" if self.threshold is not None else self.name
+        if self.threshold is not None:
+            return f"threshold:{self.threshold}"
+        return f"gemm:{self.splits}" if self.splits else self.name
 
     def kernel_for(self, rows: int) -> str:
         if self.threshold is not None:
             return GEMV if rows <= self.threshold else GEMM
         return self.name
+
+
+def _int_after_colon(text: str) -> int:
+    try:
+        return int(text.split(":", 1)[1])
+    except ValueError:
+        return -1
 
 
 class KernelDispatcher:
@@ -73,7 +86,7 @@ class KernelDispatcher:
         splits = 1
         if kernel == GEMM:
             group = op.module.group_size if op.quantized else 1
-            splits = kernels.gemm_splits(m, op.n, op.k, group=group)
+            splits = self._step_policy.splits or kernels.gemm_splits(m, op.n, op.k, group=group)
             out = kernels.run_gemm(x, op, splits)
         elif kernel == GEMV:
             out = kernels.run_gemv(x, op)

@@ -1,0 +1,68 @@
+"""Shared fixtures: the embedded fixture models, loaded once per session, and
+tiny random-weight models of the other families."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def target():
+    from divergence.engine.model import load_model
+    from divergence.fixtures import TARGET
+
+    return load_model(TARGET)
+
+
+@pytest.fixture(scope="session")
+def draft():
+    from divergence.engine.model import load_model
+    from divergence.fixtures import DRAFT
+
+    return load_model(DRAFT)
+
+
+@pytest.fixture(scope="session")
+def target_4bit():
+    from divergence.engine.model import load_model
+    from divergence.fixtures import TARGET_4BIT
+
+    return load_model(TARGET_4BIT)
+
+
+@pytest.fixture(scope="session")
+def random_model(tmp_path_factory):
+    """random_model(model_type, **kw) -> LoadedModel of a tiny random-weight model (cached)."""
+    from divergence.engine.model import load_model
+    from divergence.testing.models import make_random_model
+
+    made = {}
+
+    def make(model_type="llama", **kw):
+        key = (model_type, tuple(sorted(kw.items())))
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"rand-{model_type}")
+            made[key] = load_model(make_random_model(path, model_type=model_type, **kw))
+        return made[key]
+
+    return make
+
+
+PROMPTS = [
+    "Return the number of",
+    "Create a new dictionary with keys from",
+    "The socket module provides",
+    "Open file and return a stream.",
+    "If the object",
+    "Decode the object using the codec",
+    "This module provides regular expression",
+    "Convert a number or string to an integer",
+]
+
+
+@pytest.fixture(scope="session")
+def prompts():
+    return list(PROMPTS)
