@@ -37,8 +37,8 @@ from .events import (
 from .forward import PackedForward
 from .kv_cache import BlockManager
 from .model import LoadedModel
-from .request import Request, Sequence
-from .scheduler import SCHEDULES, Scheduler, Work
+from .request import WARMUP_PREFIX, Request, Sequence
+from .scheduler import CONCURRENT, SCHEDULES, SERIAL, WARM, Scheduler, Work
 from .speculative import Proposal, accept_greedy, accept_sampled
 
 
@@ -126,6 +126,7 @@ class Engine:
         self.eos_ids = set(int(t) for t in eos)
         self.vocab = self._target_fwd.head.n
         self.forced: dict[int, KernelPolicy] = {}
+        self._vocab: list[str] | None = None
 
     # -- convenience -------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -133,6 +134,12 @@ class Engine:
 
     def decode(self, tokens) -> str:
         return self.target.decode(tokens)
+
+    def vocab_pieces(self) -> list[str]:
+        """Each token id decoded alone (cached): traces store it so readers need no tokenizer."""
+        if self._vocab is None:
+            self._vocab = [self.target.decode([i]) for i in range(self.vocab)]
+        return self._vocab
 
     def settings(self) -> dict:
         return {
@@ -161,8 +168,8 @@ class Engine:
     def run(self, requests: list[Request], schedule: str = "serial", *, strict: bool = True) -> RunResult:
         """Run requests under a schedule. strict: a bad request raises PromptError;
         otherwise it is reported in its output and the others run."""
-        if schedule not in SCHEDULES:
-            raise PromptError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+        if schedule not in SCHEDULES + (WARM,):
+            raise PromptError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES + (WARM,))})")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise PromptError("request ids must be unique")
@@ -193,7 +200,8 @@ class _Run:
         self.bad = bad
         self.seqs = [Sequence(r) for r in requests if r.id not in bad]
         extra = engine.spec_k + 1
-        need = sum(-(-(s.prompt_len + s.request.max_tokens + extra) // engine.block_size) for s in self.seqs)
+        need = (2 if schedule == WARM else 1) * sum(
+            -(-(s.prompt_len + s.request.max_tokens + extra) // engine.block_size) for s in self.seqs)
         num_blocks = engine.num_blocks or max(need, 1)
         kernels = engine._wants("wants_kernels")
         emit_k = (lambda c: engine._emit("on_kernel", c)) if kernels else None
@@ -205,46 +213,81 @@ class _Run:
             self.draft = _ModelState(engine.draft, engine._draft_fwd, engine.policy, DRAFT_MODEL, num_blocks,
                                      engine.block_size, False, emit_k)
             self.draft.dispatch.forced = dict(engine.forced)
-        self.sched = Scheduler(self.seqs, schedule=schedule, token_budget=engine.token_budget,
-                               blocks=self.target.blocks, reserve_extra=extra)
+        # warm: the cache is first filled by other requests (the same prompts, batched),
+        # then the requests run serially on top of it: "cold vs warm" as one more schedule.
+        self.phases = [(self.seqs, schedule)]
+        if schedule == WARM:
+            self.target.blocks.prefix_caching = True
+            warm = [Sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1)) for q in self.seqs]
+            self.phases = [(warm, CONCURRENT), (self.seqs, SERIAL)]
+            self.requests = [q.request for q in warm] + self.requests
+        self.extra = extra
+        self.kv_live: dict = {}  # (request, layer, position) -> (step, k_hash, v_hash), prefix caching only
         self.want_kv = engine._wants("wants_kv_hashes")
         self.step = 0
         self.target_steps = 0
         self.proposals: dict[str, Proposal] = {}
         self.outputs: dict[str, RequestOutput] = {}
-        self.topk: dict[str, tuple[list, list]] = {s.id: ([], []) for s in self.seqs}
+        self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
+
+    def info(self) -> RunInfo:
+        e = self.e
+        return RunInfo(schedule=self.schedule, policy=str(e.policy), settings=e.settings(), requests=self.requests,
+                       model=e.target.describe(), draft=e.draft.describe() if e.draft else None,
+                       environment=environment(), vocab=e.vocab_pieces())
 
     def execute(self) -> RunResult:
         e = self.e
         t0 = time.perf_counter()
-        e._emit("on_run_start", RunInfo(
-            schedule=self.schedule, policy=str(e.policy), settings=e.settings(), requests=self.requests,
-            model=e.target.describe(), draft=e.draft.describe() if e.draft else None,
-            environment=environment(),
-        ))
+        e._emit("on_run_start", self.info())
         for rid, msg in self.bad.items():
             e._emit("on_request", RequestEvent(0, rid, "error", msg))
         completed = False
         try:
-            clock = 0
-            while not self.sched.done():
-                decode_rows = e.spec_k + 1 if self.draft else 1
-                work, admitted = self.sched.schedule(clock, decode_rows=decode_rows)
-                if not work:  # idle until the next arrival
-                    clock = max(clock + 1, self.sched.next_arrival() or 0)
-                    continue
-                for seq in admitted:
-                    e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
-                self._target_step(work)
-                clock += 1
+            for seqs, schedule in self.phases:
+                self._drain(Scheduler(seqs, schedule=schedule, token_budget=e.token_budget,
+                                      blocks=self.target.blocks, reserve_extra=self.extra))
             completed = True
         finally:
             e._emit("on_run_end", completed)
         for r in self.requests:
+            if r.id.startswith(WARMUP_PREFIX):
+                self.outputs.pop(r.id, None)  # the warm-up is part of the schedule, not a result
+                continue
             self.outputs.setdefault(r.id, RequestOutput(r.id, list(r.prompt_tokens), [], "", "error",
                                                         error=self.bad.get(r.id, "not run")))
         return RunResult(self.schedule, str(e.policy), self.outputs, self.step, self.target_steps,
                          time.perf_counter() - t0)
+
+    def _drain(self, sched: Scheduler) -> None:
+        """Run one scheduler's requests to completion."""
+        e = self.e
+        self.sched = sched
+        clock = 0
+        while not sched.done():
+            work, admitted = sched.schedule(clock, decode_rows=e.spec_k + 1 if self.draft else 1)
+            if not work:  # idle until the next arrival
+                clock = max(clock + 1, sched.next_arrival() or 0)
+                continue
+            for seq in admitted:
+                e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
+                if seq.num_cached and self.want_kv:
+                    self._emit_shared_kv(seq)
+            self._target_step(work)
+            clock += 1
+
+    def _emit_shared_kv(self, seq: Sequence) -> None:
+        """A prefix hit reads K/V that another request wrote: record them as this
+        request's live writes, with the step that really wrote them."""
+        blocks = self.target.blocks
+        bs = blocks.block_size
+        for i, b in enumerate(blocks.tables[seq.id][: seq.num_cached // bs]):
+            owner, pos0 = blocks.origin[b]
+            for layer in range(self.target.forward.num_layers):
+                for p in range(bs):
+                    step, kh, vh = self.kv_live[(owner, layer, pos0 + p)]
+                    self.e._emit("on_kv_write", KvWrite(step, TARGET, seq.id, layer, i * bs + p, 1,
+                                                        np.array([kh], np.uint64), np.array([vh], np.uint64)))
 
     # -- one target step (with its draft steps first, when speculating) ---------------
     def _target_step(self, work: list[Work]) -> None:
@@ -355,10 +398,14 @@ class _Run:
     def _emit_kv(self, state: _ModelState, plan: StepPlan, writes) -> None:
         from ..trace.hashing import hash_rows
 
+        remember = state.blocks.prefix_caching
         for rid, layer, start, k, v in writes:
             kn, vn = _raw_bytes(k), _raw_bytes(v)
-            self.e._emit("on_kv_write", KvWrite(plan.index, state.name, rid, layer, start, kn.shape[0],
-                                                hash_rows(kn), hash_rows(vn)))
+            kh, vh = hash_rows(kn), hash_rows(vn)
+            self.e._emit("on_kv_write", KvWrite(plan.index, state.name, rid, layer, start, kn.shape[0], kh, vh))
+            if remember:
+                for i in range(kn.shape[0]):
+                    self.kv_live[(rid, layer, start + i)] = (plan.index, int(kh[i]), int(vh[i]))
 
     def _sample_one(self, seq: Sequence, logits_row: np.ndarray, greedy_tok: int, position: int) -> int:
         s = seq.request.sampling

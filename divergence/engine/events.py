@@ -135,6 +135,8 @@ class RunInfo:
     model: dict = field(default_factory=dict)  # path, config, weights hash, tokenizer hash
     draft: dict | None = None
     environment: dict = field(default_factory=dict)  # versions, backend, device, BLAS
+    # Text of each token id decoded alone, so readers can show text without a tokenizer.
+    vocab: Sequence[str] = ()
 
 
 class Observer:

@@ -31,6 +31,7 @@ class BlockManager:
         # prefix cache: chained hash of a full block's tokens -> block, and back
         self.by_hash: dict[int, int] = {}
         self.hash_of: dict[int, int] = {}
+        self.origin: dict[int, tuple[str, int]] = {}  # cached block -> (request that wrote it, first position)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but still cached, LRU first
         self.hits = 0  # prompt tokens served from the prefix cache
         self.lookups = 0  # prompt tokens looked up
@@ -62,6 +63,7 @@ class BlockManager:
         else:  # evict the least recently used cached prefix block
             b, _ = self.evictable.popitem(last=False)
             del self.by_hash[self.hash_of.pop(b)]
+            del self.origin[b]
         self.ref[b] = 1
         return b
 
@@ -131,6 +133,7 @@ class BlockManager:
                 continue
             self.by_hash[h] = b
             self.hash_of[b] = h
+            self.origin[b] = (request_id, i * self.block_size)
 
 
 class PagedKVCache:

@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 
 from ..errors import PromptError
 
+# Ids of the requests that pre-fill the prefix cache in the `warm` schedule.
+WARMUP_PREFIX = "warmup/"
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -17,6 +17,7 @@ from .request import Sequence
 SERIAL = "serial"
 CONCURRENT = "concurrent"
 SCHEDULES = (SERIAL, CONCURRENT)
+WARM = "warm"  # serial on a prefix cache pre-filled by a batched warm-up (see engine)
 
 
 @dataclass

@@ -1,0 +1,205 @@
+"""Compare two traces token by token and bit by bit. Pure numpy; never runs a model.
+
+For every request: identical, or the first divergent token (both sides' token,
+logit, runner-up and margin, from the stored top-k), and the first numeric
+divergence: the first position whose stored logits differ in any bit, often
+hundreds of tokens before the text flips.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import TraceMismatchError
+
+IDENTICAL = "identical"
+DIVERGED = "diverged"
+MISSING = "missing"
+
+
+@dataclass
+class Candidate:
+    """One side's view of a divergent position."""
+
+    token: int
+    logit: float
+    runner_up: int | None
+    runner_up_logit: float | None
+
+    @property
+    def margin(self) -> float | None:
+        return None if self.runner_up_logit is None else self.logit - self.runner_up_logit
+
+    def to_json(self) -> dict:
+        return {"token": self.token, "logit": self.logit, "runner_up": self.runner_up,
+                "runner_up_logit": self.runner_up_logit, "margin": self.margin}
+
+
+@dataclass
+class TokenDivergence:
+    position: int
+    generated_index: int
+    step_a: int
+    step_b: int
+    a: Candidate
+    b: Candidate
+
+    def to_json(self) -> dict:
+        return {"position": self.position, "generated_index": self.generated_index,
+                "step_a": self.step_a, "step_b": self.step_b, "a": self.a.to_json(), "b": self.b.to_json()}
+
+
+@dataclass
+class NumericDivergence:
+    position: int
+    step_a: int
+    step_b: int
+    tokens_before_flip: int | None  # how far it precedes the token flip
+    max_abs_delta_before_flip: float  # largest |Δlogit| of shared top-k ids before the flip
+
+    def to_json(self) -> dict:
+        return {"position": self.position, "step_a": self.step_a, "step_b": self.step_b,
+                "tokens_before_flip": self.tokens_before_flip,
+                "max_abs_delta_before_flip": self.max_abs_delta_before_flip}
+
+
+@dataclass
+class RequestDiff:
+    id: str
+    status: str
+    prompt_len: int
+    compared: int  # generated tokens compared (the shorter side)
+    len_a: int
+    len_b: int
+    first_divergent_token: TokenDivergence | None = None
+    first_numeric_divergence: NumericDivergence | None = None
+    truncated: bool = False  # compared only up to where an incomplete trace ends
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id, "status": self.status, "prompt_len": self.prompt_len, "compared": self.compared,
+            "len_a": self.len_a, "len_b": self.len_b, "truncated": self.truncated,
+            "first_divergent_token": self.first_divergent_token.to_json() if self.first_divergent_token else None,
+            "first_numeric_divergence": (self.first_numeric_divergence.to_json()
+                                         if self.first_numeric_divergence else None),
+        }
+
+
+@dataclass
+class DiffReport:
+    path_a: str
+    path_b: str
+    label_a: str
+    label_b: str
+    requests: list[RequestDiff]
+    incomplete: list[str] = field(default_factory=list)  # paths of traces that did not complete
+
+    @property
+    def identical(self) -> bool:
+        return all(r.status == IDENTICAL for r in self.requests)
+
+    @property
+    def diverged(self) -> list[RequestDiff]:
+        return [r for r in self.requests if r.status != IDENTICAL]
+
+    def to_json(self) -> dict:
+        return {"identical": self.identical, "a": self.path_a, "b": self.path_b,
+                "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
+                "requests": [r.to_json() for r in self.requests]}
+
+
+def check_comparable(a, b) -> None:
+    """Raise TraceMismatchError naming what differs, when two traces can't be compared."""
+    ma, mb = a.meta, b.meta
+    wa, wb = ma["model"].get("weights_hash"), mb["model"].get("weights_hash")
+    if wa != wb:
+        raise TraceMismatchError(
+            f"traces are of different models: {ma['model'].get('path')} ({str(wa)[:12]}) vs "
+            f"{mb['model'].get('path')} ({str(wb)[:12]})")
+    if ma["model"].get("dtype") != mb["model"].get("dtype"):
+        raise TraceMismatchError(f"traces ran the model in different dtypes: "
+                                 f"{ma['model'].get('dtype')} vs {mb['model'].get('dtype')}")
+    ra = {r.id: r for r in a.requests}
+    rb = {r.id: r for r in b.requests}
+    if set(ra) != set(rb):
+        only = sorted(set(ra) ^ set(rb))
+        raise TraceMismatchError(f"traces hold different requests (only in one: {', '.join(only[:5])})")
+    for rid, x in ra.items():
+        y = rb[rid]
+        if tuple(x.prompt_tokens) != tuple(y.prompt_tokens):
+            raise TraceMismatchError(f"request {rid!r} has different prompts in the two traces")
+        if x.sampling != y.sampling:
+            raise TraceMismatchError(f"request {rid!r} has different sampling settings: {x.sampling} vs {y.sampling}")
+        if x.max_tokens != y.max_tokens:
+            raise TraceMismatchError(f"request {rid!r} has different max_tokens: {x.max_tokens} vs {y.max_tokens}")
+
+
+def _candidate(topk_ids: np.ndarray, topk_logits: np.ndarray, token: int) -> Candidate:
+    ids = topk_ids.tolist()
+    logit = float(topk_logits[ids.index(token)]) if token in ids else float("nan")
+    others = [(i, float(v)) for i, v in zip(ids, topk_logits.tolist()) if i != token]
+    ru, rl = others[0] if others else (None, None)
+    return Candidate(int(token), logit, ru, rl)
+
+
+def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False) -> RequestDiff:
+    """ta / tb: token records of one request (positions, tokens, steps, topk_ids, topk_logits)."""
+    na, nb = len(ta.tokens), len(tb.tokens)
+    if na == 0 or nb == 0:
+        return RequestDiff(rid, MISSING if na != nb or truncated else IDENTICAL, prompt_len, 0, na, nb,
+                           truncated=truncated)
+    n = min(na, nb)
+    tok_a, tok_b = np.asarray(ta.tokens[:n]), np.asarray(tb.tokens[:n])
+    flip = np.flatnonzero(tok_a != tok_b)
+    bits_a = np.asarray(ta.topk_logits[:n], dtype=np.float32).view(np.uint32)
+    bits_b = np.asarray(tb.topk_logits[:n], dtype=np.float32).view(np.uint32)
+    ids_a, ids_b = np.asarray(ta.topk_ids[:n]), np.asarray(tb.topk_ids[:n])
+    numeric = np.flatnonzero((bits_a != bits_b).any(axis=1) | (ids_a != ids_b).any(axis=1))
+    diff = RequestDiff(rid, IDENTICAL, prompt_len, n, na, nb, truncated=truncated)
+    if flip.size:
+        i = int(flip[0])
+        diff.status = DIVERGED
+        diff.first_divergent_token = TokenDivergence(
+            position=int(ta.positions[i]), generated_index=int(ta.positions[i]) - prompt_len,
+            step_a=int(ta.steps[i]), step_b=int(tb.steps[i]),
+            a=_candidate(ids_a[i], ta.topk_logits[i], int(tok_a[i])),
+            b=_candidate(ids_b[i], tb.topk_logits[i], int(tok_b[i])),
+        )
+    elif na != nb and not truncated:
+        diff.status = DIVERGED  # same prefix, one side stopped (e.g. EOS) earlier
+    if numeric.size:
+        j = int(numeric[0])
+        end = int(flip[0]) + 1 if flip.size else n
+        diff.first_numeric_divergence = NumericDivergence(
+            position=int(ta.positions[j]), step_a=int(ta.steps[j]), step_b=int(tb.steps[j]),
+            tokens_before_flip=(int(flip[0]) - j) if flip.size else None,
+            max_abs_delta_before_flip=_max_delta(ids_a[j:end], ta.topk_logits[j:end],
+                                                 ids_b[j:end], tb.topk_logits[j:end]),
+        )
+    return diff
+
+
+def _max_delta(ids_a, la, ids_b, lb) -> float:
+    """Largest |Δlogit| over token ids present in both top-k lists, row by row (vectorised)."""
+    if len(ids_a) == 0:
+        return 0.0
+    match = ids_a[:, :, None] == ids_b[:, None, :]  # [n, K, K]
+    delta = np.abs(np.asarray(la, np.float64)[:, :, None] - np.asarray(lb, np.float64)[:, None, :])
+    return float(np.where(match, delta, 0.0).max())
+
+
+def diff_traces(a, b) -> DiffReport:
+    """a, b: open `Trace`s (see divergence.trace.reader)."""
+    check_comparable(a, b)
+    incomplete = [t.path for t in (a, b) if not t.completed]
+    out = []
+    for req in a.requests:
+        ta, tb = a.tokens(req.id), b.tokens(req.id)
+        d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete))
+        out.append(d)
+    return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete])
+
+
+def _label(trace) -> str:
+    return str(trace.meta.get("schedule", "?"))

@@ -1,0 +1,194 @@
+"""Replay a trace's exact schedule, optionally forcing kernels at chosen steps.
+
+The one place where analysis reaches the engine: it loads the model the trace
+names (refusing if its weights changed), re-executes every recorded step plan
+teacher-forced, and reports fidelity against the original, bit for bit.
+This is how `bisect --confirm` proves a root cause.
+"""
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import PolicyError, ReplayError
+from .diff import DiffReport, diff_traces
+
+
+@dataclass
+class ReplayReport:
+    source: str
+    out: str | None
+    forced: dict[int, str]
+    faithful: bool
+    tokens_equal: bool
+    logits_equal: bool
+    kv_equal: bool | None  # None when either trace has no KV hashes
+    first_difference: dict | None  # {request, position} of the first token/logit difference
+    kv_first_difference: dict | None
+    seconds: float
+    original_seconds: float
+    diff: DiffReport | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "out": self.out, "forced": {str(k): v for k, v in self.forced.items()},
+                "faithful": self.faithful, "tokens_equal": self.tokens_equal, "logits_equal": self.logits_equal,
+                "kv_equal": self.kv_equal, "first_difference": self.first_difference,
+                "kv_first_difference": self.kv_first_difference, "seconds": self.seconds,
+                "original_seconds": self.original_seconds}
+
+
+def parse_force(items) -> dict:
+    """['7:gemv', '12:gemm:4'] -> {7: KernelPolicy(gemv), 12: KernelPolicy(gemm, splits=4)}."""
+    from ..engine.dispatch import KernelPolicy
+
+    out = {}
+    for item in items or ():
+        step, sep, kernel = str(item).partition(":")
+        if not sep or not step.strip().isdigit():
+            raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL, e.g. 7:gemv")
+        out[int(step)] = KernelPolicy.parse(kernel)
+    return out
+
+
+class Replayer:
+    """Loads models once and replays traces made with them."""
+
+    def __init__(self, *, model_dir=None, draft_dir=None):
+        self.model_dir = model_dir
+        self.draft_dir = draft_dir
+        self._models: dict = {}
+
+    def _load(self, info: dict, override) -> object:
+        from ..engine.model import load_model
+
+        path = Path(override or info["path"])
+        key = (str(path), info.get("dtype"))
+        if key not in self._models:
+            if not path.exists():
+                raise ReplayError(f"the trace's model {path} does not exist here (pass --model DIR)")
+            self._models[key] = load_model(path, dtype=info.get("dtype"))
+        m = self._models[key]
+        if m.weights_hash != info.get("weights_hash"):
+            raise ReplayError(f"model weights at {path} differ from the ones the trace was recorded with "
+                              f"({m.weights_hash[:12]} vs {str(info.get('weights_hash'))[:12]})")
+        return m
+
+    def engine_for(self, trace, *, observers=()):
+        from ..engine.engine import Engine
+
+        meta = trace.meta
+        s = meta["settings"]
+        target = self._load(meta["model"], self.model_dir)
+        draft = self._load(meta["draft"], self.draft_dir) if meta.get("draft") and s.get("spec_k") else None
+        return Engine(target, draft, policy=s["policy"], token_budget=s["token_budget"], spec_k=s["spec_k"],
+                      top_k=s["top_k"], block_size=s["block_size"], stop_at_eos=s.get("stop_at_eos", True),
+                      observers=list(observers))
+
+    def run(self, trace, *, forced=None, observers=()):
+        """Replay in memory; returns the engine's RunResult."""
+        from ..engine.replay import TokenSite, replay_plans
+
+        engine = self.engine_for(trace, observers=observers)
+        sites = []
+        for req in trace.requests:
+            t = trace.tokens(req.id)
+            sites += [TokenSite(int(st), req.id, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
+        plans = list(trace.iter_plans())
+        return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
+                            forced=forced or {})
+
+    def replay_to_file(self, trace, out, *, forced=None) -> ReplayReport:
+        from ..trace.reader import Trace
+        from ..trace.writer import TraceWriter
+
+        s = trace.meta["settings"]
+        has_kv = trace.has_kv_hashes
+        with TraceWriter(out, top_k=s["top_k"], kv_hashes=has_kv) as writer:
+            result = self.run(trace, forced=forced, observers=[writer])
+        with Trace.open(out) as replayed:
+            return fidelity(trace, replayed, forced or {}, result.seconds, str(out))
+
+
+def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) -> ReplayReport:
+    d = diff_traces(original, replayed)
+    first = None
+    tokens_equal = logits_equal = True
+    for r in d.requests:
+        if r.first_divergent_token is not None or r.len_a != r.len_b:
+            tokens_equal = False
+        if r.first_numeric_divergence is not None:
+            logits_equal = False
+            if first is None:
+                first = {"request": r.id, "position": r.first_numeric_divergence.position}
+    kv_equal, kv_first = None, None
+    if original.has_kv_hashes and replayed.has_kv_hashes:
+        kv_equal, kv_first = _compare_kv(original, replayed)
+    faithful = tokens_equal and logits_equal and kv_equal is not False
+    total = float(np.sum(original.steps["duration"])) if original.num_steps else 0.0
+    return ReplayReport(str(original.path), out, {k: str(v) for k, v in forced.items()}, faithful, tokens_equal,
+                        logits_equal, kv_equal, first, kv_first, seconds, total, d)
+
+
+def _compare_kv(a, b):
+    wa, wb = a.kv_writes(), b.kv_writes()
+    cols = ("step", "layer", "start", "count")
+    n = min(len(wa["step"]), len(wb["step"]))
+    if len(wa["step"]) != len(wb["step"]):
+        return False, {"reason": f"{len(wa['step'])} vs {len(wb['step'])} KV writes"}
+    for c in cols:
+        if not np.array_equal(np.asarray(wa[c])[:n], np.asarray(wb[c])[:n]):
+            return False, {"reason": f"KV write {c} differs"}
+    ha, hb = a.kv_hashes(), b.kv_hashes()
+    bad = np.flatnonzero((np.asarray(ha["k_hash"]) != np.asarray(hb["k_hash"]))
+                         | (np.asarray(ha["v_hash"]) != np.asarray(hb["v_hash"])))
+    if bad.size:
+        return False, {"hash_index": int(bad[0])}
+    return True, None
+
+
+def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> ReplayReport:
+    """`divergence replay`: re-execute a trace, write the new trace, report fidelity."""
+    from ..trace.reader import Trace
+
+    forced = parse_force(force)
+    with Trace.open(path) as trace:
+        if out is None:
+            tmp = tempfile.mkdtemp(prefix="divergence-replay-")
+            out = Path(tmp) / (Path(path).stem + ".replay.h5")
+        return Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced)
+
+
+def policy_for_label(label: str) -> str:
+    """A recorded kernel label ('gemv', 'gemm/4', 'native') as a forcible policy."""
+    return label.replace("gemm/", "gemm:")
+
+
+def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces."""
+    from ..engine.dispatch import KernelPolicy
+
+    def confirm(cause, rd):
+        if cause.kind == "sampler":
+            return None, "a sampler cause has no kernel to force"
+        kernel = policy_for_label(cause.a.kernel)
+        forced = {cause.b.step: KernelPolicy.parse(kernel)}
+        result = replayer.run(b, forced=forced)
+        got = result.outputs[rd.id]
+        ta = a.tokens(rd.id)
+        tok = rd.first_divergent_token
+        n = (tok.generated_index + 1) if tok is not None else rd.compared
+        same_tokens = list(got.tokens[:n]) == [int(t) for t in ta.tokens[:n]]
+        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+        lb = np.asarray(got.topk_logits[:n], np.float32).view(np.uint32) if got.topk_logits else la[:0]
+        bitwise = same_tokens and la.shape == lb.shape and bool((la == lb).all())
+        what = f"replaying {label_b} with step {cause.b.step} forced to {kernel}"
+        if same_tokens:
+            exact = ", bit for bit" if bitwise else " (tokens equal; some logits still differ)"
+            return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}"
+        first = next((i for i, (x, y) in enumerate(zip(got.tokens, ta.tokens)) if int(x) != int(y)), None)
+        return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
+
+    return confirm

@@ -1,0 +1,123 @@
+"""Human text for diff and bisect reports: one renderer for the CLI, the pytest plugin and the TUI."""
+from __future__ import annotations
+
+from .bisect import CACHE_CONTAMINATION, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
+from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
+
+KIND_TEXT = {CACHE_CONTAMINATION: "cache contamination", STEP_COMPUTE: "step compute", SAMPLER: "sampler"}
+
+
+def _piece(vocab, token) -> str:
+    if token is None:
+        return ""
+    if vocab is not None and 0 <= token < len(vocab):
+        return repr(vocab[token])
+    return ""
+
+
+def _fmt(x) -> str:
+    return "      n/a" if x is None else f"{x:.6f}"
+
+
+def _span(positions: list[int]) -> str:
+    if not positions:
+        return "-"
+    if positions == list(range(positions[0], positions[-1] + 1)):
+        return f"{positions[0]}-{positions[-1]}" if len(positions) > 1 else str(positions[0])
+    return ", ".join(map(str, positions[:8])) + (" ..." if len(positions) > 8 else "")
+
+
+def composition_text(view: StepView) -> str:
+    parts = [f"{c['request_id']} {c['phase']}[{c['start']}:{c['start'] + c['count']}]" for c in view.composition]
+    return f"{view.rows} rows = " + " + ".join(parts)
+
+
+def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
+                  confirm_requested: bool = False) -> list[str]:
+    if r.status == MISSING:
+        return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
+    if r.status != DIVERGED:
+        return [f"{r.id}  identical ({r.compared} tokens)" + ("  [compared up to the end of an incomplete trace]"
+                                                               if r.truncated else "")]
+    w = max(len(label_a), len(label_b)) + 2
+    lines = []
+    t = r.first_divergent_token
+    if t is None:
+        lines.append(f"{r.id}  same tokens up to #{r.compared}, then {label_a} has {r.len_a} and {label_b} {r.len_b}")
+    else:
+        lines.append(f"{r.id}  first divergent token at position {t.position} (generated #{t.generated_index})")
+        for lab, c in ((label_a, t.a), (label_b, t.b)):
+            margin = f"   margin {c.margin:.6f}" if c.margin is not None else ""
+            lines.append(f"    {lab:<{w}}{c.token:>6} {_piece(vocab, c.token):<12} {_fmt(c.logit)}   runner-up "
+                         f"{c.runner_up if c.runner_up is not None else '-':>6} {_piece(vocab, c.runner_up):<12} "
+                         f"{_fmt(c.runner_up_logit)}{margin}")
+    n = r.first_numeric_divergence
+    if n is not None:
+        ahead = f" ({n.tokens_before_flip} tokens earlier)" if n.tokens_before_flip else ""
+        lines.append(f"    first numeric difference at position {n.position}{ahead}, "
+                     f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
+    if cause is not None:
+        lines += cause_lines(r, cause, label_a, label_b, confirm_requested)
+    if r.truncated:
+        lines.append("    (compared up to the end of an incomplete trace)")
+    return lines
+
+
+def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool) -> list[str]:
+    kind = KIND_TEXT.get(c.kind, c.kind)
+    out = []
+    if c.kind == CACHE_CONTAMINATION:
+        out.append(f"    root cause: {kind}, layer {c.layer}, positions {_span(c.positions)},")
+        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}")
+        out.append(f"      the same positions in {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
+    elif c.kind == STEP_COMPUTE:
+        where = f"layer {c.layer}, " if c.layer is not None else ""
+        out.append(f"    root cause: {kind}, {where}the cache it read was identical;")
+        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}")
+        out.append(f"      {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
+    else:
+        out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
+    for rid, step in sorted(c.finished_before_divergence.items()):
+        out.append(f"      {rid} finished at step {step}, before the divergence")
+    if confirm_requested:
+        if c.confirmed:
+            out.append(f"    confirmed: {c.confirm_detail}")
+        elif c.confirmed is False:
+            out.append(f"    NOT confirmed: {c.confirm_detail}")
+        else:
+            out.append(f"    not confirmed ({c.confirm_detail or 'no replay'})")
+    return out
+
+
+def render_diff(d: DiffReport, vocab=None) -> str:
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"]
+    for p in d.incomplete:
+        lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
+    for r in d.requests:
+        lines += request_lines(r, d.label_a, d.label_b, vocab)
+    lines.append(_summary(d))
+    return "\n".join(lines)
+
+
+def render_bisect(b: BisectReport, vocab=None) -> str:
+    d = b.diff
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"]
+    if b.mode != "kv-hashes":
+        lines.append(f"note: bisect mode: {b.mode}")
+    for p in d.incomplete:
+        lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
+    for r in d.requests:
+        lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested)
+    groups = [(k, v) for k, v in b.groups().items() if len(v) > 1]
+    for (kind, step), ids in groups:
+        lines.append(f"shared root cause: {', '.join(sorted(ids))} all trace back to {d.label_b} step {step}")
+    lines.append(_summary(d))
+    return "\n".join(lines)
+
+
+def _summary(d: DiffReport) -> str:
+    n = len(d.requests)
+    bad = d.diverged
+    if not bad:
+        return f"identical: {n} of {n} requests"
+    return f"diverged: {len(bad)} of {n} requests ({', '.join(r.id for r in bad)})"

@@ -1,0 +1,35 @@
+"""`divergence bisect A.h5 B.h5 [--confirm]`: from a divergent token back to the step that caused it."""
+from __future__ import annotations
+
+from .common import emit_json, open_pair
+
+HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("a", metavar="A.h5")
+    p.add_argument("b", metavar="B.h5")
+    p.add_argument("--confirm", action="store_true", help="replay B with the root-cause step forced to A's kernel")
+    p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the traces were recorded")
+    p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def main(args) -> int:
+    from ..analysis.bisect import bisect_traces
+    from ..analysis.report import render_bisect
+
+    a, b = open_pair(args.a, args.b)
+    with a, b:
+        replayer = None
+        if args.confirm:
+            from ..analysis.replay import Replayer, make_confirmer
+
+            replayer = make_confirmer(a, b, Replayer(model_dir=args.model, draft_dir=args.draft),
+                                      a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
+        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer)
+        if args.json:
+            emit_json(report.to_json())
+        else:
+            print(render_bisect(report, a.vocab))
+    return 0 if report.identical else 1

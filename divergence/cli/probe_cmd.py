@@ -1,0 +1,33 @@
+"""`divergence probe`: which row counts give the same bits as M=1, per op shape."""
+from __future__ import annotations
+
+from .common import add_model_args, default_model_dirs, emit_json
+
+HELP = "map a backend's batch-invariance: row-count classes of every linear-op shape and of SDPA"
+
+
+def add_arguments(p) -> None:
+    add_model_args(p, draft=False)
+    p.add_argument("--rows", default="1..128", help="row counts: A..B or a comma list (default 1..128)")
+    p.add_argument("--no-cache", action="store_true", help="measure again instead of using the cached map")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def main(args) -> int:
+    from ..engine.model import load_model
+    from ..probe import parse_rows, probe_model
+
+    rows = parse_rows(args.rows)
+    target_dir, _ = default_model_dirs()
+    loaded = load_model(args.model or target_dir, dtype=args.dtype)
+    result = probe_model(loaded, rows, use_cache=not args.no_cache)
+    if args.json:
+        emit_json(result)
+        return 0
+    env = result["environment"]
+    print(f"{result['model']}  ({env['device']}, MLX {env['mlx']}, BLAS: {env['blas']})")
+    w = max(len(f"{o['op']} {o['shape']} {o['dtype']}") for o in result["ops"])
+    for o in result["ops"]:
+        name = f"{o['op']} {o['shape']} {o['dtype']}"
+        print(f"  {name:<{w}}  {o['summary']}")
+    return 0

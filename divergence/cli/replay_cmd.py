@@ -1,0 +1,36 @@
+"""`divergence replay TRACE.h5`: re-execute the recorded schedule exactly and report fidelity."""
+from __future__ import annotations
+
+from .common import emit_json
+
+HELP = "re-execute a trace's exact schedule (optionally forcing kernels at steps) and report fidelity"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("trace", metavar="TRACE.h5")
+    p.add_argument("--force", action="append", default=[], metavar="STEP:KERNEL",
+                   help="run STEP with KERNEL (gemv, gemm, gemm:S, native, batch-invariant, threshold:N); repeatable")
+    p.add_argument("--out", metavar="PATH", help="where the replayed trace goes (default: a temporary file)")
+    p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
+    p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def main(args) -> int:
+    from ..analysis.replay import replay
+
+    r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft)
+    if args.json:
+        emit_json(r.to_json())
+        return 0
+    forced = ", ".join(f"step {k} -> {v}" for k, v in r.forced.items()) or "none"
+    print(f"replayed {r.source} -> {r.out} (forced: {forced})")
+    print(f"  {r.seconds:.2f} s (original steps took {r.original_seconds:.2f} s)")
+    if r.faithful:
+        print("  faithful: tokens, logits" + (" and KV hashes" if r.kv_equal else "") + " are bitwise equal")
+    else:
+        print(f"  differs: tokens equal {r.tokens_equal}, logits equal {r.logits_equal}, KV equal {r.kv_equal}")
+        if r.first_difference:
+            print(f"  first difference: request {r.first_difference['request']} at position "
+                  f"{r.first_difference['position']}")
+    return 0

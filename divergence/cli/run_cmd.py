@@ -1,0 +1,112 @@
+"""`divergence run`: run the same requests under several schedules, one trace each."""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from ..errors import PromptError
+from .common import add_model_args, default_model_dirs, emit_json
+
+HELP = "run requests under serial and concurrent schedules and record a trace of each"
+DEMO_POLICY = "threshold:4"
+DEMO_SPEC_K = 3  # verify = 4 rows: alone it runs gemv under threshold:4, as in seed 000
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="JSON Lines, one request a line (default: built-in set)")
+    p.add_argument("--schedules", default="serial,concurrent", help="comma-separated: serial, concurrent, warm")
+    p.add_argument("--policy", help="kernel policy: native | batch-invariant | threshold:N "
+                   "(default: native with --model; threshold:4 in the demo)")
+    p.add_argument("--spec-k", type=int, help="draft tokens per verify (0 = off; demo default 3)")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 96, or per request)")
+    p.add_argument("--token-budget", type=int, default=256, help="rows per engine step (concurrent)")
+    p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token")
+    p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
+    p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
+    p.add_argument("--out", metavar="DIR", default="traces", help="where traces go (default ./traces)")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def main(args) -> int:
+    from ..analysis.diff import diff_traces
+    from ..engine.dispatch import KernelPolicy
+    from ..engine.scheduler import SCHEDULES
+    from ..prompts import builtin_requests, load_prompts
+    from ..runner import RunConfig, load_models, run_schedules
+    from ..trace.reader import Trace
+
+    demo = args.model is None
+    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    for s in schedules:
+        if s not in SCHEDULES + ("warm",):
+            raise PromptError(f"unknown schedule {s!r} (expected serial, concurrent or warm)")
+    if len(set(schedules)) != len(schedules) or not schedules:
+        raise PromptError("--schedules needs distinct schedule names")
+    policy = args.policy or (DEMO_POLICY if demo and args.policy is None else "native")
+    KernelPolicy.parse(policy)
+    spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
+    if args.top_k < 1:
+        raise PromptError("--top-k must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise PromptError("--max-tokens must be >= 1")
+    target_dir, draft_dir = default_model_dirs()
+    cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
+                    dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
+                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes)
+    target, draft = load_models(cfg)
+    if args.prompts:
+        requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens)
+    else:
+        requests = builtin_requests(target.encode, max_tokens=args.max_tokens)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise PromptError(f"--out {out} exists and is not a directory")
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    from ..blas import blas_in_use
+
+    say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
+        + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
+    say(f"BLAS: {blas_in_use()}")
+    if demo and args.policy is None:
+        say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
+            "on a CPU whose own kernels are batch-invariant")
+    results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
+    paths = {s: str(out / f"{s}.h5") for s in schedules}
+    diffs = {}
+    base = schedules[0]
+    for s in schedules[1:]:
+        with Trace.open(paths[base]) as a, Trace.open(paths[s]) as b:
+            diffs[s] = diff_traces(a, b)
+    identical = all(d.identical for d in diffs.values())
+    if args.json:
+        emit_json({
+            "traces": paths,
+            "identical": identical,
+            "policy": policy,
+            "spec_k": spec_k,
+            "requests": [
+                {"id": r.id, "tokens": {s: results[s].outputs[r.id].tokens for s in schedules},
+                 "text": {s: results[s].outputs[r.id].text for s in schedules},
+                 "acceptance_rate": {s: results[s].outputs[r.id].acceptance_rate for s in schedules}}
+                for r in requests],
+            "diff": {s: d.to_json() for s, d in diffs.items()},
+        })
+        return 0
+    for s in schedules:
+        r = results[s]
+        rates = [o.acceptance_rate for o in r.outputs.values() if o.acceptance_rate is not None]
+        acc = f", acceptance {sum(rates) / len(rates):.1%}" if rates else ""
+        print(f"{s:<11} {len(r.outputs)} requests, {r.generated_tokens} tokens, {r.steps} steps "
+              f"({r.target_steps} target), {r.seconds:.1f} s{acc} -> {paths[s]}")
+    for s, d in diffs.items():
+        if d.identical:
+            print(f"{base} vs {s}: identical ({len(d.requests)} requests)")
+            continue
+        where = ", ".join(
+            f"{x.id} at position {x.first_divergent_token.position} (generated #{x.first_divergent_token.generated_index})"
+            if x.first_divergent_token else f"{x.id} ({x.status})" for x in d.diverged)
+        print(f"{base} vs {s}: diverged: {where}")
+        print(f"next: divergence bisect {paths[base]} {paths[s]} --confirm")
+    return 0

@@ -1,0 +1,53 @@
+"""`divergence sweep`: one prompt N times in varied batches; count unique completions."""
+from __future__ import annotations
+
+import sys
+
+from .common import add_model_args, default_model_dirs, emit_json
+
+HELP = "run one prompt N times inside random batches and count unique completions (the anchors' metric)"
+DEFAULT_PROMPT = "Return the number of"
+
+
+def add_arguments(p) -> None:
+    add_model_args(p, draft=False)
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the needle prompt (text)")
+    p.add_argument("-n", type=int, default=20, help="number of runs (default 20)")
+    p.add_argument("--policy", help="kernel policy (default: native with --model, threshold:4 without)")
+    p.add_argument("--max-batch", type=int, default=8, help="largest batch (default 8)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per run (default 48)")
+    p.add_argument("--seed", type=int, default=0, help="seed for batch sizes, co-batched prompts and arrivals")
+    p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def main(args) -> int:
+    from ..errors import PromptError
+    from ..runner import RunConfig, load_models, make_engine
+    from ..sweep import sweep
+
+    if args.max_batch < 1 or args.max_tokens < 1:
+        raise PromptError("--max-batch and --max-tokens must be >= 1")
+    target_dir, _ = default_model_dirs()
+    policy = args.policy or ("threshold:4" if args.model is None else "native")
+    cfg = RunConfig(model=args.model or target_dir, dtype=args.dtype, policy=policy)
+    target, _ = load_models(cfg)
+    engine = make_engine(cfg, target, None)
+
+    def progress(i, n):
+        if not args.json:
+            print(f"\rrun {i}/{n}", end="", file=sys.stderr, flush=True)
+
+    r = sweep(engine, args.prompt, runs=args.n, max_batch=args.max_batch, max_tokens=args.max_tokens,
+              seed=args.seed, progress=progress)
+    if args.json:
+        emit_json(r.to_json())
+        return 0
+    print("\r", end="", file=sys.stderr)
+    print(f"{r.runs} runs of {r.prompt!r} under {r.policy}, batches of 1..{args.max_batch}: "
+          f"{r.unique} unique completion{'s' if r.unique != 1 else ''}")
+    for count, text in zip(r.counts, r.completions):
+        print(f"  {count:>4} x {text[:70]!r}")
+    if r.first_difference:
+        where = ", ".join(f"#{k}: {v}" for k, v in sorted(r.first_difference.items()))
+        print(f"  first differs from the needle run alone at generated token {where}")
+    return 0

@@ -1,0 +1,135 @@
+"""Re-execute recorded step plans exactly, optionally forcing kernels at chosen steps.
+
+Replay is teacher-forced: every step's input rows are the recorded ones (the
+plans carry their token ids), so the batch composition, row counts and
+positions are exactly the recorded run's, whatever the replay computes. At
+every site where the recording committed a token, the replay reports the token
+its own logits pick and their top-k, so its trace diffs against any other.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from . import sampling as smp
+from .dispatch import KernelPolicy
+from .engine import Engine, RequestOutput, RunResult, _Run
+from .events import DRAFT_MODEL, PREFILL, RequestEvent, StepEvent, StepPlan, TokenEvent
+from .request import Request, Sequence
+
+
+@dataclass(frozen=True)
+class TokenSite:
+    """Where the recording committed a token: replay reports its own choice there."""
+
+    step: int
+    request_id: str
+    position: int
+    spec: int
+
+
+def replay_plans(
+    engine: Engine,
+    requests: list[Request],
+    plans: list[StepPlan],
+    sites: list[TokenSite],
+    *,
+    schedule: str,
+    forced: dict[int, KernelPolicy] | None = None,
+) -> RunResult:
+    run = _Run(engine, requests, "serial", {})
+    run.schedule = schedule  # recorded under the original schedule's name
+    run.target.blocks.prefix_caching = engine.prefix_caching or schedule == "warm"
+    for state in (run.target, run.draft):
+        if state is not None:
+            state.dispatch.forced = dict(forced or {})
+    last_seen: dict[str, int] = {}
+    for p in plans:
+        for s in p.slices:
+            last_seen[s.request_id] = p.index
+    reserve = {r.id: 0 for r in requests}
+    for p in plans:
+        for s in p.slices:
+            reserve[s.request_id] = max(reserve[s.request_id], s.start + s.count)
+    by_step: dict[int, list[TokenSite]] = {}
+    for site in sites:
+        by_step.setdefault(site.step, []).append(site)
+    req_by_id = {r.id: r for r in requests}
+    generated: dict[str, list[int]] = {r.id: [] for r in requests}
+    topk = {r.id: ([], []) for r in requests}
+
+    e = engine
+    t0 = time.perf_counter()
+    e._emit("on_run_start", run.info())
+    completed = False
+    try:
+        for plan in plans:
+            state = run.draft if plan.model == DRAFT_MODEL else run.target
+            if state is None:
+                raise ValueError("the trace has draft steps but no draft model was given")
+            for s in plan.slices:
+                if s.request_id not in state.blocks.tables:
+                    _admit(run, state, req_by_id[s.request_id], reserve[s.request_id], s.start)
+            _, greedy, logits_np = run._forward(state, plan)
+            if state.blocks.prefix_caching:
+                for s in plan.slices:
+                    if s.phase == PREFILL:
+                        state.blocks.register_prefix(s.request_id, req_by_id[s.request_id].prompt_tokens,
+                                                     s.start + s.count)
+            if plan.model != DRAFT_MODEL:
+                _emit_sites(run, plan, by_step.get(plan.index, ()), greedy, logits_np, req_by_id, generated, topk)
+            for rid, last in last_seen.items():
+                if last == plan.index and plan.model != DRAFT_MODEL:
+                    e._emit("on_request", RequestEvent(plan.index, rid, "finished", "replayed"))
+            e._emit("on_step", StepEvent(plan, run._last_duration))
+            run.step = plan.index + 1
+            run.target_steps += plan.model != DRAFT_MODEL
+        completed = True
+    finally:
+        e._emit("on_run_end", completed)
+    outputs = {
+        r.id: RequestOutput(r.id, list(r.prompt_tokens), generated[r.id], e.decode(generated[r.id]), "replayed",
+                            topk_ids=topk[r.id][0], topk_logits=topk[r.id][1])
+        for r in requests
+    }
+    return RunResult(schedule, str(e.policy), outputs, len(plans), run.target_steps, time.perf_counter() - t0)
+
+
+def _admit(run, state, req: Request, reserve: int, first_start: int) -> None:
+    """Give a request its blocks as the recording did: a recorded run that started past
+    position 0 found its prefix in the cache, and so does the replay (same plans, same order)."""
+    if first_start and state.blocks.prefix_caching and state.name != DRAFT_MODEL:
+        matched = state.blocks.match_prefix(req.id, req.prompt_tokens)
+        if matched != first_start:
+            raise ValueError(f"replay of {req.id!r}: prefix cache holds {matched} tokens, the recording had "
+                             f"{first_start}")
+        state.blocks.allocate(req.id, reserve)
+        if run.want_kv:
+            seq = Sequence(req)
+            seq.num_cached = matched
+            run._emit_shared_kv(seq)
+        return
+    state.blocks.allocate(req.id, reserve)
+
+
+def _emit_sites(run, plan, sites, greedy, logits_np, req_by_id, generated, topk) -> None:
+    # Logit row of (request, predicted position): rows come in slice order.
+    row_of, r = {}, 0
+    for s in plan.slices:
+        for lr in s.logit_rows:
+            row_of[(s.request_id, s.start + lr + 1)] = r
+            r += 1
+    for site in sorted(sites, key=lambda x: (x.request_id, x.position)):
+        r = row_of.get((site.request_id, site.position))
+        if r is None:
+            continue
+        req = req_by_id[site.request_id]
+        if req.sampling.greedy:
+            tok = int(greedy[r])
+        else:
+            tok = smp.draw(smp.probs(logits_np[r], req.sampling), smp.uniform(req.sampling, site.position))
+        ids, vals = smp.topk(logits_np[r : r + 1], run.e.top_k)
+        generated[site.request_id].append(tok)
+        topk[site.request_id][0].append(ids[0])
+        topk[site.request_id][1].append(vals[0])
+        run.e._emit("on_token", TokenEvent(plan.index, site.request_id, site.position, tok, site.spec, ids[0], vals[0]))

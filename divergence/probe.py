@@ -1,0 +1,180 @@
+"""Map a backend's batch-invariance: for each linear-op shape of a model and each
+row count M, does row 0 of the native op at M rows equal the same row at M = 1?
+
+Row counts whose row-0 bits are equal fall into one class; the map reads like
+seed 000's table, measured instead of guessed ("q_proj 896x896 bf16: rows 1..5
+one class, 8..128 another"). Attention (SDPA) is probed over query lengths.
+Results are cached per (backend, device, MLX version, shape, dtype).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .engine.forward import PackedForward
+from .engine.kernels import LinearOp
+
+CACHE_ENV = "DIVERGENCE_CACHE_DIR"
+
+
+@dataclass
+class OpProbe:
+    op: str  # e.g. "q_proj" (all layers share a shape) or "sdpa"
+    shape: str  # "NxK" for linear ops
+    dtype: str
+    rows: list[int]
+    classes: list[int]  # class per row count; class 0 = same bits as M=1
+    layers: list[int] = field(default_factory=list)
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(first row count, last row count, class) runs."""
+        out = []
+        for m, c in zip(self.rows, self.classes):
+            if out and out[-1][2] == c:
+                out[-1] = (out[-1][0], m, c)
+            else:
+                out.append((m, m, c))
+        return out
+
+    def describe(self) -> str:
+        if len(set(self.classes)) == 1:
+            return f"rows {self.rows[0]}..{self.rows[-1]} one class (batch-invariant)"
+        parts = []
+        for a, b, c in self.spans():
+            rng = f"{a}" if a == b else f"{a}..{b}"
+            parts.append(f"{rng} " + ("= M=1" if c == 0 else f"class {c}"))
+        return "rows " + ", ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"op": self.op, "shape": self.shape, "dtype": self.dtype, "rows": self.rows,
+                "classes": self.classes, "layers": self.layers, "summary": self.describe()}
+
+
+def classify(outputs: list[np.ndarray]) -> list[int]:
+    """outputs[i]: row 0 (as raw bits) at the i-th row count, first = M=1. Class 0 = equal to M=1."""
+    ids: dict[bytes, int] = {}
+    classes = []
+    for o in outputs:
+        key = np.ascontiguousarray(o).tobytes()
+        if key not in ids:
+            ids[key] = len(ids)
+        classes.append(ids[key])
+    return classes
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
+    return np.array(a.view(width))
+
+
+def probe_linear(op: LinearOp, rows: list[int], dtype, *, run=None, seed: int = 0) -> list[int]:
+    """Class per row count of `run(x, op)` (default: the native op)."""
+    run = run or (lambda x, o: o.native(x))
+    m_max = max(rows)
+    x = mx.random.normal((m_max, op.k), key=mx.random.key(seed)).astype(dtype)
+    base = run(x[:1], op)
+    outs = [_bits(base[0])]
+    for m in rows:
+        if m == 1:
+            continue
+        y = run(x[:m], op)
+        mx.eval(y)
+        outs.append(_bits(y[0]))
+    classes = classify(outs)
+    return classes if rows[0] == 1 else classes[1:]
+
+
+def probe_sdpa(n_heads: int, n_kv: int, head_dim: int, dtype, rows: list[int], kv_len: int = 256) -> list[int]:
+    """Class per query length L: the last query row of a causal L-query SDPA vs the same query alone."""
+    key = mx.random.key(1)
+    k = mx.random.normal((1, n_kv, kv_len, head_dim), key=key).astype(dtype)
+    v = mx.random.normal((1, n_kv, kv_len, head_dim), key=mx.random.key(2)).astype(dtype)
+    q = mx.random.normal((1, n_heads, max(rows), head_dim), key=mx.random.key(3)).astype(dtype)
+    scale = head_dim ** -0.5
+    outs = []
+    for L in [1] + [r for r in rows if r != 1]:
+        qs = q[:, :, max(rows) - L:]
+        o = mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask="causal" if L > 1 else None)
+        outs.append(_bits(o[:, :, -1]))
+    classes = classify(outs)
+    return classes if rows[0] == 1 else classes[1:]
+
+
+def cache_key(shape: str, dtype: str, quant, rows) -> str:
+    import mlx
+
+    dev = str(mx.default_device())
+    from .blas import blas_in_use
+
+    raw = json.dumps([dev, getattr(mlx.core, "__version__", "?"), blas_in_use(), shape, dtype, quant,
+                      list(rows)])
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _cache_path() -> Path:
+    base = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "divergence")
+    return Path(base) / "probe.json"
+
+
+def probe_model(loaded, rows: list[int], *, use_cache: bool = True) -> dict:
+    """The class map of every distinct linear-op shape of a model, plus SDPA."""
+    fwd = PackedForward(loaded)
+    dtype = fwd.dtype
+    dname = str(dtype).replace("mlx.core.", "")
+    quant = loaded.config.get("quantization")
+    cache = {}
+    cpath = _cache_path()
+    if use_cache and cpath.exists():
+        try:
+            cache = json.loads(cpath.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}
+    seen: dict[tuple, OpProbe] = {}
+    ops = [(li, o) for li, lo in enumerate(fwd.ops) for o in (lo.q, lo.k, lo.v, lo.o, lo.gate, lo.up, lo.down)]
+    ops.append((fwd.num_layers, fwd.head))
+    for li, op in ops:
+        key = (op.name, op.n, op.k)
+        if key in seen:
+            seen[key].layers.append(li)
+            continue
+        shape = f"{op.n}x{op.k}"
+        ck = cache_key(f"{op.name}:{shape}", dname, quant, rows)
+        classes = cache.get(ck) or probe_linear(op, rows, dtype)
+        cache[ck] = classes
+        seen[key] = OpProbe(op.name, shape, dname + (f" q{quant.get('bits')}" if quant else ""), list(rows),
+                            classes, [li])
+    sd = OpProbe("sdpa", f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}", dname, list(rows),
+                 probe_sdpa(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, rows))
+    if use_cache:
+        try:
+            cpath.parent.mkdir(parents=True, exist_ok=True)
+            cpath.write_text(json.dumps(cache))
+        except OSError:
+            pass
+    from .engine.engine import environment
+
+    return {"model": str(loaded.path), "environment": environment(),
+            "ops": [p.to_json() for p in seen.values()] + [sd.to_json()]}
+
+
+def parse_rows(text: str) -> list[int]:
+    """'1..128' -> every row count from 1 to 128; '1,2,4,8' -> those."""
+    from .errors import DivergenceInputError
+
+    try:
+        if ".." in text:
+            a, b = text.split("..", 1)
+            rows = list(range(int(a), int(b) + 1))
+        else:
+            rows = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise DivergenceInputError(f"bad --rows {text!r}: expected A..B or a comma list") from None
+    if not rows or rows[0] < 1 or rows[-1] > 4096:
+        raise DivergenceInputError(f"bad --rows {text!r}: row counts must be within 1..4096")
+    return rows

@@ -1,0 +1,95 @@
+"""Prompt files (JSON Lines) and the built-in demo prompt set."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .engine.request import Request, Sampling
+from .errors import PromptError
+
+KNOWN_KEYS = {"id", "prompt", "tokens", "max_tokens", "arrival", "temperature", "top_p", "seed"}
+
+# The demo: r1 decodes with speculative decoding while r2's long prompt arrives
+# (seed 000: r2's prefill and r1's verify rows share one step); r3/r4 arrive later.
+DEMO_R2_PROMPT = (
+    "Return a new list containing all items from the iterable in ascending order. A custom key function "
+    "can be supplied to customize the sort order, and the reverse flag can be set to request the result in "
+    "descending order. The sort is stable: it guarantees not to change the relative order of elements that "
+    "compare equal. This is helpful for sorting in multiple passes, for example sort by department, then "
+    "by salary grade. Return the number of items in a container. If the object"
+)
+DEMO = [
+    {"id": "r1", "prompt": "Return the number of", "arrival": 0},
+    {"id": "r2", "prompt": DEMO_R2_PROMPT, "arrival": 3},
+    {"id": "r3", "prompt": "Create a new dictionary with keys from", "arrival": 5},
+    {"id": "r4", "prompt": "The socket module provides", "arrival": 9},
+]
+DEMO_MAX_TOKENS = 96
+
+
+def builtin_requests(encode, *, max_tokens: int | None = None) -> list[Request]:
+    return [_request(dict(d, max_tokens=max_tokens or DEMO_MAX_TOKENS), encode, f"built-in {d['id']}")
+            for d in DEMO]
+
+
+def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request]:
+    """Parse a JSONL prompt file; any malformed line is a PromptError naming it."""
+    p = Path(path)
+    if not p.exists():
+        raise PromptError(f"prompt file not found: {p}")
+    if p.is_dir():
+        raise PromptError(f"prompt file is a directory: {p}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"cannot read prompt file {p}: {e}") from None
+    out, seen = [], set()
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{p}:{n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict):
+            raise PromptError(f"{where}: each line must be a JSON object")
+        if max_tokens is not None and "max_tokens" not in d:
+            d["max_tokens"] = max_tokens
+        d.setdefault("id", f"r{len(out) + 1}")
+        req = _request(d, encode, where)
+        if req.id in seen:
+            raise PromptError(f"{where}: duplicate request id {req.id!r}")
+        seen.add(req.id)
+        out.append(req)
+    if not out:
+        raise PromptError(f"prompt file {p} holds no requests")
+    return out
+
+
+def _request(d: dict, encode, where: str) -> Request:
+    unknown = set(d) - KNOWN_KEYS
+    if unknown:
+        raise PromptError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(KNOWN_KEYS))})")
+    if ("prompt" in d) == ("tokens" in d):
+        raise PromptError(f"{where}: give exactly one of 'prompt' (text) or 'tokens' (ids)")
+    try:
+        if "prompt" in d:
+            if not isinstance(d["prompt"], str):
+                raise PromptError(f"{where}: 'prompt' must be a string")
+            tokens = tuple(encode(d["prompt"])) if d["prompt"] else ()
+        else:
+            if not isinstance(d["tokens"], list) or not all(isinstance(t, int) for t in d["tokens"]):
+                raise PromptError(f"{where}: 'tokens' must be a list of integers")
+            tokens = tuple(d["tokens"])
+        sampling = Sampling(float(d.get("temperature", 0.0)), float(d.get("top_p", 1.0)), int(d.get("seed", 0)))
+        if not 0.0 < sampling.top_p <= 1.0 or sampling.temperature < 0:
+            raise PromptError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
+        return Request(str(d["id"]), tokens, max_tokens=int(d.get("max_tokens", 64)),
+                       arrival=int(d.get("arrival", 0)), sampling=sampling,
+                       prompt_text=d.get("prompt"))
+    except PromptError as e:
+        msg = str(e)
+        raise PromptError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+    except (TypeError, ValueError) as e:
+        raise PromptError(f"{where}: {e}") from None

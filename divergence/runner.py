@@ -1,0 +1,100 @@
+"""Run requests under several schedules with tracing: the API behind `divergence run`,
+the pytest plugin and sweeps."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .engine.events import Observer
+
+
+@dataclass
+class RunConfig:
+    model: object  # model directory
+    draft: object | None = None
+    dtype: str | None = None
+    policy: str = "native"
+    spec_k: int = 0
+    token_budget: int = 256
+    top_k: int = 8
+    prefix_cache: bool = False
+    kv_hashes: bool = True
+    stop_at_eos: bool = True
+
+
+_MODEL_CACHE: dict = {}
+
+
+def load_models(cfg: RunConfig):
+    """(target, draft or None), loaded once per (path, dtype) in this process."""
+    from .engine.model import load_model
+
+    def get(path):
+        key = (str(Path(path).resolve()), cfg.dtype)
+        if key not in _MODEL_CACHE:
+            _MODEL_CACHE[key] = load_model(path, dtype=cfg.dtype)
+        return _MODEL_CACHE[key]
+
+    target = get(cfg.model)
+    draft = get(cfg.draft) if cfg.draft and cfg.spec_k else None
+    return target, draft
+
+
+def make_engine(cfg: RunConfig, target, draft, observers=()):
+    from .engine.engine import Engine
+
+    return Engine(target, draft, policy=cfg.policy, spec_k=cfg.spec_k, token_budget=cfg.token_budget,
+                  top_k=cfg.top_k, prefix_caching=cfg.prefix_cache, stop_at_eos=cfg.stop_at_eos,
+                  observers=list(observers))
+
+
+class _Progress(Observer):
+    """A progress bar over generated tokens, on stderr."""
+
+    def __init__(self, label: str, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        from rich.console import Console
+
+        self.progress = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("tokens"), TimeElapsedColumn(),
+                                 console=Console(file=sys.stderr), transient=True)
+        self.task = self.progress.add_task(label, total=total)
+
+    def on_run_start(self, info) -> None:
+        self.progress.start()
+
+    def on_token(self, event) -> None:
+        self.progress.advance(self.task)
+
+    def on_run_end(self, completed: bool) -> None:
+        self.progress.stop()
+
+
+def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *, progress: bool = False):
+    """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}."""
+    from .trace.writer import TraceWriter
+
+    engine = make_engine(cfg, target, draft)
+    for r in requests:  # refuse bad requests before any file is written
+        msg = engine.check(r)
+        if msg:
+            from .errors import PromptError
+
+            raise PromptError(msg)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for schedule in schedules:
+        path = out_dir / f"{schedule}.h5"
+        tmp = path.with_suffix(".h5.partial")
+        with TraceWriter(tmp, top_k=cfg.top_k, kv_hashes=cfg.kv_hashes) as writer:
+            obs = [writer]
+            if progress:
+                obs.append(_Progress(schedule, sum(r.max_tokens for r in requests)))
+            engine.observers = obs
+            results[schedule] = engine.run(requests, schedule)
+        tmp.replace(path)  # an existing trace is only replaced by a complete one
+    engine.observers = []
+    return results

@@ -1,0 +1,60 @@
+"""Independent reference: under `native` kernels at B=1 the engine's greedy tokens
+equal mlx-lm's own generate_step, on every supported family and format."""
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from divergence.engine.engine import Engine
+from divergence.engine.request import Request
+
+N_TOKENS = 48
+
+
+def mlx_lm_tokens(loaded, prompt_tokens, n):
+    return [int(t) for t, _ in generate_step(mx.array(prompt_tokens), loaded.model, max_tokens=n)]
+
+
+def check_against_mlx_lm(loaded, prompts, n=N_TOKENS):
+    engine = Engine(loaded, policy="native", stop_at_eos=False)
+    reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=n) for i, p in enumerate(prompts)]
+    result = engine.run(reqs, "serial")
+    mismatches = []
+    for r in reqs:
+        ref = mlx_lm_tokens(loaded, r.prompt_tokens, n)
+        got = result.outputs[r.id].tokens
+        if got != ref:
+            first = next(i for i, (a, b) in enumerate(zip(got + [-1], ref)) if a != b)
+            mismatches.append(f"{r.id}: first mismatch at generated #{first}")
+    assert len(reqs) >= 8
+    assert not mismatches, mismatches
+
+
+def test_bf16_fixture_matches_mlx_lm(target, prompts):
+    assert target.dtype == "bfloat16"
+    check_against_mlx_lm(target, prompts)
+
+
+def test_4bit_fixture_matches_mlx_lm(target_4bit, prompts):
+    assert target_4bit.config.get("quantization", {}).get("bits") == 4
+    check_against_mlx_lm(target_4bit, prompts)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_random_families_match_mlx_lm(random_model, prompts, family):
+    loaded = random_model(family, hidden_size=64)
+    if family == "qwen2":  # q/k/v biases are what makes qwen2 qwen2
+        assert "bias" in loaded.model.layers[0].self_attn.q_proj
+    if family == "qwen3":
+        assert hasattr(loaded.model.layers[0].self_attn, "q_norm")
+    check_against_mlx_lm(loaded, prompts)
+
+
+def test_fp32_override_matches_mlx_lm(prompts):
+    from divergence.engine.model import load_model
+    from divergence.fixtures import TARGET
+
+    loaded = load_model(TARGET, dtype="float32")
+    assert loaded.dtype == "float32"
+    check_against_mlx_lm(loaded, prompts[:8], n=24)
