@@ -26,13 +26,13 @@ WRITE_OPS = ("k_proj", "v_proj")  # the ops whose output is written to the cache
 
 @dataclass
 class StepView:
-    """What a step was: rows, who was in it, which kernels ran (for the ops that matter)."""
+    """What a step was: rows, who was in it, which kernels ran."""
 
     step: int
     rows: int
     composition: list[dict]  # request_id, phase, start, count, row_offset
-    kernel: str  # kernel of the ops that wrote the contaminated values, e.g. "gemm/4"
-    kernels: dict  # op -> kernel label at the root-cause layer
+    kernel: str  # label of the op named by the root cause, e.g. "gemm/4"
+    kernels: dict  # op -> kernel label (first layer where the op ran; lm_head included)
 
     def to_json(self) -> dict:
         return {"step": self.step, "rows": self.rows, "composition": self.composition,
@@ -48,12 +48,13 @@ class RootCause:
     b: StepView
     co_batched_b: list[str]
     finished_before_divergence: dict = field(default_factory=dict)  # co-batched id -> finish step
+    op: str | None = None  # the op whose kernel differs between the two steps
     confirmed: bool | None = None
     confirm_detail: str = ""
 
     def to_json(self) -> dict:
         return {
-            "kind": self.kind, "layer": self.layer, "positions": self.positions,
+            "kind": self.kind, "layer": self.layer, "positions": self.positions, "op": self.op,
             "step_a": self.a.step, "step_b": self.b.step, "rows_a": self.a.rows, "rows_b": self.b.rows,
             "kernel_a": self.a.kernel, "kernel_b": self.b.kernel, "co_batched_b": self.co_batched_b,
             "composition_a": self.a.composition, "composition_b": self.b.composition,
@@ -96,17 +97,36 @@ def _kernel_label(kernel: str, splits: int) -> str:
     return f"{kernel}/{splits}" if kernel == "gemm" else kernel
 
 
-def step_view(trace, step: int, layer: int | None) -> StepView:
+def step_kernels(trace, step: int) -> dict[str, str]:
+    """op -> kernel label of one step (ops in forward order, lm_head last)."""
+    ks = trace.kernels(step=step)
+    out: dict[str, str] = {}
+    for op, kernel, splits in zip(ks["op"], ks["kernel"], ks["splits"]):
+        out.setdefault(str(op), _kernel_label(str(kernel), int(splits)))
+    return out
+
+
+def step_view(trace, step: int) -> StepView:
     plan = trace.step_plan(step)
     comp = [{"request_id": s.request_id, "phase": s.phase, "start": s.start, "count": s.count,
              "row_offset": s.row_offset} for s in plan.slices]
-    ks = trace.kernels(step=step)
-    kernels: dict[str, str] = {}
-    for i in range(len(ks["op"])):
-        if layer is None or int(ks["layer"][i]) == layer:
-            kernels.setdefault(str(ks["op"][i]), _kernel_label(str(ks["kernel"][i]), int(ks["splits"][i])))
-    main = [kernels[o] for o in WRITE_OPS if o in kernels] or list(kernels.values()) or ["?"]
-    return StepView(step, plan.rows, comp, main[0], kernels)
+    return StepView(step, plan.rows, comp, "?", step_kernels(trace, step))
+
+
+def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
+    """The op whose kernel differs between the two steps (the K/V writers first)."""
+    ops = [o for o in b.kernels if a.kernels.get(o) != b.kernels.get(o)]
+    for o in prefer:
+        if o in ops:
+            return o
+    return ops[0] if ops else (prefer[0] if prefer[0] in b.kernels else next(iter(b.kernels), None))
+
+
+def _views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepView, StepView, str | None]:
+    va, vb = step_view(a, step_a), step_view(b, step_b)
+    op = _name_op(va, vb, prefer)
+    va.kernel, vb.kernel = va.kernels.get(op, "?"), vb.kernels.get(op, "?")
+    return va, vb, op
 
 
 def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
@@ -117,20 +137,19 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
         if tok is None:
             return None
         # Every stored logit is bitwise equal, yet the token differs: the sampler did it.
-        return RootCause(SAMPLER, None, [tok.position], step_view(a, tok.step_a, None), step_view(b, tok.step_b, None),
-                         _co_batched(b, tok.step_b, d.id))
+        va, vb, op = _views(a, b, tok.step_a, tok.step_b)
+        return RootCause(SAMPLER, None, [tok.position], va, vb, _co_batched(b, tok.step_b, d.id), op=None)
     pos = num.position  # its logits came from the row at pos - 1, in steps num.step_a / num.step_b
-    la = a.live_kv(d.id, model="target", at_step=num.step_a)
-    lb = b.live_kv(d.id, model="target", at_step=num.step_b)
-    ka = _cells(la, pos)
-    kb = _cells(lb, pos)
+    ka = _cells(a.live_kv(d.id, model="target", at_step=num.step_a), pos)
+    kb = _cells(b.live_kv(d.id, model="target", at_step=num.step_b), pos)
     common = np.intersect1d(ka["key"], kb["key"])
     ia = np.searchsorted(ka["key"], common)
     ib = np.searchsorted(kb["key"], common)
     differ = (ka["k"][ia] != kb["k"][ib]) | (ka["v"][ia] != kb["v"][ib])
     if not differ.any():
-        return RootCause(STEP_COMPUTE, None, [pos - 1], step_view(a, num.step_a, None),
-                         step_view(b, num.step_b, None), _co_batched(b, num.step_b, d.id))
+        # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
+        va, vb, op = _views(a, b, num.step_a, num.step_b, prefer=("lm_head",) + WRITE_OPS)
+        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, _co_batched(b, num.step_b, d.id), op=op)
     # common is sorted by (position, layer): the first differing cell is the earliest.
     ja, jb = ia[differ][0], ib[differ][0]
     layer = int(kb["layer"][jb])
@@ -139,13 +158,11 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
     # All differing positions written by that same B step at that layer.
     sel = (kb["step"][ib[differ]] == step_b) & (kb["layer"][ib[differ]] == layer)
     positions = sorted(int(p) for p in kb["position"][ib[differ]][sel])
+    va, vb, op = _views(a, b, step_a, step_b)
     co = _co_batched(b, step_b, d.id)
-    finished = {}
-    for rid in co:
-        fs = _finish_step(b, rid)
-        if fs is not None and fs < (d.first_divergent_token.step_b if d.first_divergent_token else num.step_b):
-            finished[rid] = fs
-    return RootCause(kind, layer, positions, step_view(a, step_a, layer), step_view(b, step_b, layer), co, finished)
+    until = tok.step_b if tok is not None else num.step_b
+    finished = {rid: fs for rid in co if (fs := _finish_step(b, rid)) is not None and fs < until}
+    return RootCause(kind, layer, positions, va, vb, co, finished, op=op)
 
 
 def _cells(live, pos: int) -> dict:
@@ -166,8 +183,11 @@ def _co_batched(trace, step: int, rid: str) -> list[str]:
 
 
 def _finish_step(trace, rid: str) -> int | None:
-    t = trace.tokens(rid)
-    return int(t.steps[-1]) if len(t.steps) else None
+    fs = trace.finish_step(rid)
+    if fs is None:
+        t = trace.tokens(rid)
+        fs = int(t.steps[-1]) if len(t.steps) else None
+    return fs
 
 
 def bisect_traces(a, b, *, confirm: bool = False, replayer=None) -> BisectReport:

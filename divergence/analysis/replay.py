@@ -41,16 +41,31 @@ class ReplayReport:
 
 
 def parse_force(items) -> dict:
-    """['7:gemv', '12:gemm:4'] -> {7: KernelPolicy(gemv), 12: KernelPolicy(gemm, splits=4)}."""
+    """['7:gemv', '12:gemm:4', '9:lm_head=gemv'] -> {step: policy, or {op: policy}}."""
     from ..engine.dispatch import KernelPolicy
+    from ..engine.events import LINEAR_OPS
 
-    out = {}
+    out: dict = {}
     for item in items or ():
-        step, sep, kernel = str(item).partition(":")
+        step, sep, spec = str(item).partition(":")
         if not sep or not step.strip().isdigit():
-            raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL, e.g. 7:gemv")
-        out[int(step)] = KernelPolicy.parse(kernel)
+            raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL or STEP:OP=KERNEL, e.g. 7:gemv")
+        op, eq, kernel = spec.partition("=")
+        if not eq:
+            out[int(step)] = KernelPolicy.parse(spec)
+            continue
+        if op not in LINEAR_OPS:
+            raise PolicyError(f"bad --force {item!r}: unknown op {op!r} (ops: {', '.join(LINEAR_OPS)})")
+        per_op = out.setdefault(int(step), {})
+        if not isinstance(per_op, dict):
+            raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
+        per_op[op] = KernelPolicy.parse(kernel)
     return out
+
+
+def describe_forced(forced: dict) -> dict[int, str]:
+    return {step: (", ".join(f"{op}={p}" for op, p in pol.items()) if isinstance(pol, dict) else str(pol))
+            for step, pol in forced.items()}
 
 
 class Replayer:
@@ -128,7 +143,7 @@ def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) 
         kv_equal, kv_first = _compare_kv(original, replayed)
     faithful = tokens_equal and logits_equal and kv_equal is not False
     total = float(np.sum(original.steps["duration"])) if original.num_steps else 0.0
-    return ReplayReport(str(original.path), out, {k: str(v) for k, v in forced.items()}, faithful, tokens_equal,
+    return ReplayReport(str(original.path), out, describe_forced(forced), faithful, tokens_equal,
                         logits_equal, kv_equal, first, kv_first, seconds, total, d)
 
 
@@ -166,29 +181,78 @@ def policy_for_label(label: str) -> str:
     return label.replace("gemm/", "gemm:")
 
 
-def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
-    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces."""
+def _as_a(a_step_kernels: dict) -> dict:
+    """Force a B step to run every op with the kernel A's step used for it."""
     from ..engine.dispatch import KernelPolicy
+
+    return {op: KernelPolicy.parse(policy_for_label(lbl)) for op, lbl in a_step_kernels.items()}
+
+
+def _suspect_steps(a, b, rid: str, tok, num) -> dict[int, int]:
+    """B step -> A step, for every step whose writes the flip read and whose kernels differ
+    (plus the steps that computed the first numeric difference and the flip)."""
+    from .bisect import step_kernels
+
+    pairs: dict[int, int] = {}
+    if num is not None:
+        pairs[num.step_b] = num.step_a
+    if tok is None:
+        return pairs
+    pairs[tok.step_b] = tok.step_a
+    la = a.live_kv(rid, at_step=tok.step_a)
+    lb = b.live_kv(rid, at_step=tok.step_b)
+    a_step = {(int(l), int(p)): int(s) for l, p, s in zip(la["layer"], la["position"], la["step"]) if p < tok.position}
+    for l, p, s in zip(lb["layer"], lb["position"], lb["step"]):
+        if p < tok.position and (int(l), int(p)) in a_step:
+            pairs.setdefault(int(s), a_step[(int(l), int(p))])
+    return {sb: sa for sb, sa in sorted(pairs.items()) if step_kernels(a, sa) != step_kernels(b, sb)}
+
+
+def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
+
+    First the strong claim: B with only the root-cause step run on A's kernels matches A
+    up to the divergence. If other steps also differ, the weaker one: B with every
+    suspect step (its writes were read by the flip, and its kernels differ) forced.
+    """
+    from .bisect import step_kernels
+
+    def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+        got = replayer.run(b, forced=forced).outputs[rid]
+        ta = a.tokens(rid)
+        want = [int(t) for t in ta.tokens[:n]]
+        same = list(got.tokens[:n]) == want
+        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+        lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
+        bitwise = same and la.shape == lb.shape and bool((la == lb).all())
+        first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
+        return same, bitwise, first
 
     def confirm(cause, rd):
         if cause.kind == "sampler":
             return None, "a sampler cause has no kernel to force"
-        kernel = policy_for_label(cause.a.kernel)
-        forced = {cause.b.step: KernelPolicy.parse(kernel)}
-        result = replayer.run(b, forced=forced)
-        got = result.outputs[rd.id]
-        ta = a.tokens(rd.id)
-        tok = rd.first_divergent_token
+        tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         n = (tok.generated_index + 1) if tok is not None else rd.compared
-        same_tokens = list(got.tokens[:n]) == [int(t) for t in ta.tokens[:n]]
-        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
-        lb = np.asarray(got.topk_logits[:n], np.float32).view(np.uint32) if got.topk_logits else la[:0]
-        bitwise = same_tokens and la.shape == lb.shape and bool((la == lb).all())
-        what = f"replaying {label_b} with step {cause.b.step} forced to {kernel}"
-        if same_tokens:
-            exact = ", bit for bit" if bitwise else " (tokens equal; some logits still differ)"
+        forced = {cause.b.step: _as_a(step_kernels(a, cause.a.step))}
+        same, bitwise, first = matches(rd.id, forced, n)
+        what = f"replaying {label_b} with step {cause.b.step} run on {label_a}'s kernels"
+        exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
+        if same:
             return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}"
-        first = next((i for i, (x, y) in enumerate(zip(got.tokens, ta.tokens)) if int(x) != int(y)), None)
+        pairs = _suspect_steps(a, b, rd.id, tok, num)
+        pairs[cause.b.step] = cause.a.step
+        if len(pairs) > 1:
+            forced = {sb: _as_a(step_kernels(a, sa)) for sb, sa in pairs.items()}
+            same2, bitwise2, first2 = matches(rd.id, forced, n)
+            ordered = sorted(pairs)
+            steps = ", ".join(map(str, ordered[:6])) + (f" and {len(ordered) - 6} more" if len(ordered) > 6 else "")
+            if same2:
+                exact = ", bit for bit" if bitwise2 else " (tokens; some logits still differ)"
+                return True, (f"replaying {label_b} with steps {steps} run on {label_a}'s kernels makes {rd.id} "
+                              f"match {label_a} up to the divergence{exact} (step {cause.b.step} alone does not: "
+                              f"{len(pairs) - 1} other step{'s' if len(pairs) > 2 else ''} differ too)")
+            return False, (f"{what}: {rd.id} still differs at generated #{first}; with steps {steps} "
+                           f"forced too it differs at #{first2}")
         return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
 
     return confirm

@@ -63,17 +63,21 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
     return lines
 
 
+def _op(c: RootCause) -> str:
+    return f" ({c.op})" if c.op else ""
+
+
 def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool) -> list[str]:
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
     if c.kind == CACHE_CONTAMINATION:
         out.append(f"    root cause: {kind}, layer {c.layer}, positions {_span(c.positions)},")
-        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}")
+        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
         out.append(f"      the same positions in {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
     elif c.kind == STEP_COMPUTE:
         where = f"layer {c.layer}, " if c.layer is not None else ""
         out.append(f"    root cause: {kind}, {where}the cache it read was identical;")
-        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}")
+        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
         out.append(f"      {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")

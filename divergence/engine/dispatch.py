@@ -72,21 +72,27 @@ class KernelDispatcher:
         self.policy = policy
         self.model = model
         self.emit = emit
-        self.forced: dict[int, KernelPolicy] = {}  # step -> policy forced for that step (replay)
+        # Replay forcing: step -> policy for the whole step, or {op name: policy} for some ops.
+        self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy]] = {}
         self._step = -1
-        self._step_policy = policy
+        self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
 
     def begin_step(self, step: int) -> None:
         self._step = step
         self._step_policy = self.forced.get(step, self.policy)
 
+    def policy_for(self, op_name: str) -> KernelPolicy:
+        sp = self._step_policy
+        return sp.get(op_name, self.policy) if isinstance(sp, dict) else sp
+
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         m = x.shape[0]
-        kernel = self._step_policy.kernel_for(m)
+        policy = self.policy_for(op.name)
+        kernel = policy.kernel_for(m)
         splits = 1
         if kernel == GEMM:
             group = op.module.group_size if op.quantized else 1
-            splits = self._step_policy.splits or kernels.gemm_splits(m, op.n, op.k, group=group)
+            splits = policy.splits or kernels.gemm_splits(m, op.n, op.k, group=group)
             out = kernels.run_gemm(x, op, splits)
         elif kernel == GEMV:
             out = kernels.run_gemv(x, op)

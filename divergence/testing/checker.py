@@ -1,0 +1,133 @@
+"""What the `divergence_check` fixture and the `reproducible` marker do: run
+`assert_reproducible` with the session's settings (ini keys, options), with the
+traces of each check in a folder named after the test, kept when it fails."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ..errors import DivergenceInputError
+from .assertions import ReproducibilityError, assert_reproducible, assert_traces_equal
+from .settings import Settings, artifact_name
+
+MARKER = "reproducible"
+MARKER_ARGS = ("prompts", "model", "draft", "schedules", "policy", "spec_k", "max_tokens", "top_k",
+               "token_budget", "dtype", "confirm")
+
+
+class ReproducibilityChecker:
+    """Callable: `divergence_check(prompts, policy=..., ...)` is `assert_reproducible` with this
+    session's defaults. After a call, `report` is its BisectReport and `traces` its trace paths
+    (gone once a check passes, unless keep=True)."""
+
+    def __init__(self, settings: Settings, nodeid: str, base_dir: Path):
+        self.settings = settings
+        self.nodeid = nodeid
+        self.base_dir = base_dir  # artifacts dir, or a pytest temp dir
+        self.calls = 0
+        self.report = None
+        self.traces: dict = {}
+
+    def __call__(self, prompts, *, model=None, policy=None, max_tokens=None, top_k=None, confirm=None,
+                 draft=None, keep: bool = False, **kw):
+        __tracebackhide__ = True
+        s = self.settings
+        out = self._next_dir()
+        try:
+            self.report = assert_reproducible(
+                model if model is not None else s.model, prompts,
+                policy=policy if policy is not None else s.policy,
+                max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
+                top_k=top_k if top_k is not None else s.top_k,
+                confirm=confirm if confirm is not None else s.confirm,
+                # the session's draft goes with the session's model, not with a model given here
+                draft=draft if draft is not None else (s.draft if model is None else None),
+                out_dir=out, keep=keep, **kw)
+        except ReproducibilityError as e:
+            self.report, self.traces = e.report, e.traces
+            raise
+        self.traces = {p.stem: str(p) for p in out.glob("*.h5")} if keep else {}
+        return self.report
+
+    def traces_equal(self, a, b, *, confirm=None, model=None, draft=None):
+        """`assert_traces_equal` with this session's confirm setting."""
+        __tracebackhide__ = True
+        c = self.settings.confirm if confirm is None else confirm
+        self.report = assert_traces_equal(a, b, confirm=c, model=model, draft=draft)
+        return self.report
+
+    def _next_dir(self) -> Path:
+        self.calls += 1
+        name = artifact_name(self.nodeid) + (f"__{self.calls}" if self.calls > 1 else "")
+        out = self.base_dir / name
+        if out.is_dir():  # a previous session's traces of this test
+            for p in out.glob("*.h5"):
+                p.unlink()
+        return out
+
+
+class MarkerFailure(pytest.fail.Exception):
+    """A failed `reproducible` marker: shown as its message alone (there is no test line to point at)."""
+
+    def __init__(self, msg: str, *, report=None, traces=None):
+        super().__init__(msg, pytrace=False)
+        self.report = report
+        self.traces = dict(traces or {})
+
+
+def run_marker(item, checker: ReproducibilityChecker) -> None:
+    """Run the check that `@pytest.mark.reproducible(...)` asks for (closest marks win);
+    raise MarkerFailure with the report, or with one line for bad arguments."""
+    __tracebackhide__ = True
+    try:
+        _run_marker(item, checker)
+    except ReproducibilityError as e:
+        raise MarkerFailure(str(e), report=e.report, traces=e.traces) from None
+    except DivergenceInputError as e:
+        raise MarkerFailure(f"divergence: @pytest.mark.{MARKER}: {e}") from None
+
+
+def _run_marker(item, checker: ReproducibilityChecker) -> None:
+    kwargs: dict = {}
+    for mark in reversed(list(item.iter_markers(MARKER))):
+        if len(mark.args) > 1:
+            raise DivergenceInputError("prompts is the one positional argument")
+        if mark.args:
+            kwargs["prompts"] = mark.args[0]
+        kwargs.update(mark.kwargs)
+    # A parametrised test's arguments fill what the marks leave out:
+    # @pytest.mark.parametrize("policy", [...]) + @pytest.mark.reproducible(prompts=[...]).
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in MARKER_ARGS:
+        if name not in kwargs and name in params:
+            kwargs[name] = params[name]
+    unknown = sorted(set(kwargs) - set(MARKER_ARGS))
+    if unknown:
+        raise DivergenceInputError(f"unknown argument(s) {', '.join(unknown)} (expected {', '.join(MARKER_ARGS)})")
+    if "prompts" not in kwargs:
+        raise DivergenceInputError(f"needs prompts, e.g. @pytest.mark.{MARKER}(prompts=['Return the number of'])")
+    prompts = kwargs.pop("prompts")
+    checker(prompts, **kwargs)
+
+
+def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:
+    """Copy a failed check's traces into the artifacts folder (when they are elsewhere,
+    e.g. a direct `assert_reproducible` call). Returns the kept paths."""
+    traces = getattr(exc, "traces", None)
+    if settings.artifacts is None or not traces:
+        return []
+    dest = settings.artifacts / artifact_name(nodeid)
+    kept = []
+    for label, src in traces.items():
+        src = Path(src)
+        if settings.artifacts.resolve() in src.resolve().parents:
+            kept.append(str(src))  # written there already
+            continue
+        if src.exists():
+            dest.mkdir(parents=True, exist_ok=True)
+            target = dest / f"{label}.h5"
+            shutil.copyfile(src, target)
+            kept.append(str(target))
+    return kept

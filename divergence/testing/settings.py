@@ -1,0 +1,83 @@
+"""The plugin's settings (ini keys and options), checked once at configure time.
+
+Deliberately free of MLX and of the engine: pytest imports the plugin in every
+project of an environment where divergence is installed.
+"""
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import DivergenceInputError
+
+DEFAULT_POLICY = "native"
+DEFAULT_TOP_K = 8
+DEFAULT_MAX_TOKENS = 64
+
+# The grammar of divergence.engine.dispatch.KernelPolicy.parse, without importing MLX;
+# the engine's parser stays the authority when a check runs.
+_POLICY = re.compile(r"^(native|batch-invariant|gemv|gemm|gemm:\d+|threshold:\d+)$")
+POLICY_HELP = "native | batch-invariant | threshold:N"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Defaults for the `divergence_check` fixture and the `reproducible` marker."""
+
+    model: Path | None = None  # None: the embedded fixture model
+    draft: Path | None = None
+    policy: str = DEFAULT_POLICY
+    top_k: int = DEFAULT_TOP_K
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    confirm: bool = True
+    artifacts: Path | None = None  # where failing checks keep their traces
+
+
+def check_policy(policy) -> str:
+    """A policy string, normalised; DivergenceInputError when it cannot be one."""
+    text = str(policy).strip().lower()
+    m = _POLICY.match(text)
+    if not m or (":" in text and int(text.split(":", 1)[1]) < 1):
+        raise DivergenceInputError(f"unknown kernel policy {policy!r} (expected {POLICY_HELP})")
+    return text
+
+
+def check_positive_int(name: str, value) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise DivergenceInputError(f"{name} must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise DivergenceInputError(f"{name} must be an integer >= 1, got {value!r}")
+    return n
+
+
+def check_model_dir(name: str, value, base: Path) -> Path:
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = base / path
+    if not path.is_dir():
+        raise DivergenceInputError(f"{name}: model directory not found: {path}")
+    return path
+
+
+def parse_bool(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise DivergenceInputError(f"{name} must be true or false, got {value!r}")
+
+
+def artifact_name(nodeid: str, limit: int = 120) -> str:
+    """A test node id as one safe folder name: 'tests/test_a.py::test_x[p-1]' -> 'tests_test_a.py__test_x_p-1'."""
+    name = nodeid.replace("::", "__")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("._") or "test"
+    if len(name) > limit:  # keep it unique when cut
+        name = name[:limit - 9] + "-" + hashlib.sha1(nodeid.encode()).hexdigest()[:8]
+    return name
