@@ -240,14 +240,16 @@ class _EngineSubject:
 def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None) -> Comparison:
     from ..analysis.bisect import bisect_traces
 
+    label_a, label_b = str(a.meta.get("schedule", "A")), str(b.meta.get("schedule", "B"))
+    if label_a == label_b:  # e.g. two serial runs, from two machines
+        label_a, label_b = f"{label_a} (A)", f"{label_b} (B)"
     confirmer = None
     if confirm:
         from ..analysis.replay import make_confirmer
 
-        label_a, label_b = a.meta.get("schedule", "A"), b.meta.get("schedule", "B")
         confirmer = make_confirmer(a, b, _memo_replayer(model_dir, draft_dir), label_a, label_b)
     report = bisect_traces(a, b, confirm=confirm, replayer=confirmer)
-    return Comparison(str(a.path), str(b.path), report, getattr(a, "vocab", None))
+    return Comparison(str(a.path), str(b.path), report, a.vocab, label_a, label_b)
 
 
 def _memo_replayer(model_dir, draft_dir):

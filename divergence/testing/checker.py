@@ -3,6 +3,7 @@
 traces of each check in a folder named after the test, kept when it fails."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -34,13 +35,15 @@ class ReproducibilityChecker:
                  draft=None, keep: bool = False, **kw):
         __tracebackhide__ = True
         s = self.settings
+        # An Engine keeps its own policy and top-k unless they are given here.
+        engine = model is not None and not isinstance(model, (str, os.PathLike))
         out = self._next_dir()
         try:
             self.report = assert_reproducible(
                 model if model is not None else s.model, prompts,
-                policy=policy if policy is not None else s.policy,
+                policy=policy if policy is not None or engine else s.policy,
                 max_tokens=max_tokens if max_tokens is not None else s.max_tokens,
-                top_k=top_k if top_k is not None else s.top_k,
+                top_k=top_k if top_k is not None or engine else s.top_k,
                 confirm=confirm if confirm is not None else s.confirm,
                 # the session's draft goes with the session's model, not with a model given here
                 draft=draft if draft is not None else (s.draft if model is None else None),
@@ -68,25 +71,25 @@ class ReproducibilityChecker:
         return out
 
 
-class MarkerFailure(pytest.fail.Exception):
-    """A failed `reproducible` marker: shown as its message alone (there is no test line to point at)."""
-
-    def __init__(self, msg: str, *, report=None, traces=None):
-        super().__init__(msg, pytrace=False)
-        self.report = report
-        self.traces = dict(traces or {})
+def _failure(msg: str, *, report=None, traces=None):
+    """pytest's own Failed, shown as its message alone (a marker has no test line to point at);
+    it carries the report and the traces like a ReproducibilityError."""
+    exc = pytest.fail.Exception(msg, pytrace=False)
+    exc.report = report
+    exc.traces = dict(traces or {})
+    return exc
 
 
 def run_marker(item, checker: ReproducibilityChecker) -> None:
     """Run the check that `@pytest.mark.reproducible(...)` asks for (closest marks win);
-    raise MarkerFailure with the report, or with one line for bad arguments."""
+    fail with the report, or with one line for bad arguments."""
     __tracebackhide__ = True
     try:
         _run_marker(item, checker)
     except ReproducibilityError as e:
-        raise MarkerFailure(str(e), report=e.report, traces=e.traces) from None
+        raise _failure(str(e), report=e.report, traces=e.traces) from None
     except DivergenceInputError as e:
-        raise MarkerFailure(f"divergence: @pytest.mark.{MARKER}: {e}") from None
+        raise _failure(f"divergence: @pytest.mark.{MARKER}: {e}") from None
 
 
 def _run_marker(item, checker: ReproducibilityChecker) -> None:
@@ -127,7 +130,7 @@ def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:
             continue
         if src.exists():
             dest.mkdir(parents=True, exist_ok=True)
-            target = dest / f"{label}.h5"
+            target = dest / f"{artifact_name(label)}.h5"
             shutil.copyfile(src, target)
             kept.append(str(target))
     return kept

@@ -13,20 +13,14 @@ MAX_REQUESTS = 10  # diverged requests shown in full; the rest are counted
 
 @dataclass
 class Comparison:
-    """One compared pair of traces and its bisect report."""
+    """One compared pair of traces, its bisect report, and the names the text gives them."""
 
     path_a: str
     path_b: str
     report: object  # analysis.bisect.BisectReport
     vocab: list | None = None
-
-    @property
-    def label_a(self) -> str:
-        return self.report.diff.label_a
-
-    @property
-    def label_b(self) -> str:
-        return self.report.diff.label_b
+    label_a: str = "A"
+    label_b: str = "B"
 
 
 @dataclass
