@@ -1,0 +1,1 @@
+"""The browser's screens: overview, tokens, steps, KV, help, go-to."""

@@ -1,0 +1,42 @@
+"""What every browser screen shares: the data, the go-to prompt, hooks for worker results."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from textual.screen import Screen
+
+from ..messages import AnalysisReady, KernelsReady
+
+if TYPE_CHECKING:
+    from ..app import BrowseApp
+    from ..data import BrowseData
+
+
+class BrowseScreen(Screen):
+    HELP: str = ""  # one line for the help screen
+    GOTO_PROMPT: str = ""  # what `g` asks for on this screen ("" = nothing to go to)
+    SEARCH_PROMPT: str = ""  # what `/` searches on this screen
+
+    @property
+    def browser(self) -> "BrowseApp":
+        return self.app  # type: ignore[return-value]
+
+    @property
+    def data(self) -> "BrowseData":
+        return self.browser.data
+
+    def goto(self, text: str) -> str | None:
+        """Go to what the user typed; return an error text when it names nothing here."""
+        return "nothing to go to here"
+
+    def search(self, text: str, *, again: bool = False) -> str | None:
+        return "nothing to search here"
+
+    def on_analysis_ready(self, message: AnalysisReady) -> None:
+        self.refresh_data()
+
+    def on_kernels_ready(self, message: KernelsReady) -> None:
+        pass
+
+    def refresh_data(self) -> None:
+        """The analysis (diff + bisect) arrived: redraw what depends on it."""

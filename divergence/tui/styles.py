@@ -1,0 +1,56 @@
+"""Colours and marks shared by the screens: one place decides what "fragile" looks like."""
+from __future__ import annotations
+
+import math
+
+from rich.text import Text
+
+# top-1 minus top-2 logit: below each bound, that background (the nearer the tie, the hotter)
+MARGIN_SHADES = ((1e-4, "white on red3"), (1e-3, "black on dark_orange3"), (1e-2, "black on gold3"),
+                 (1e-1, "black on khaki3"), (1.0, "on grey30"))
+FIRST_DIVERGENT = "▶"
+FIRST_NUMERIC = "Δ"
+TOKEN_DIFFERS = "≠"
+LOGITS_DIFFER = "≈"
+ROOT_CAUSE = "◆"
+DIVERGENT_STEP = "▶"
+IN_STEP = "●"
+
+DIVERGED_ROW = "bold"
+ROOT_CAUSE_ROW = "bold white on dark_red"
+DIVERGENT_STEP_ROW = "bold black on gold3"
+SIDE_DIFFERS = "bold red"
+SAME = ""
+
+
+def margin_style(margin: float) -> str:
+    if margin is None or math.isnan(margin):
+        return ""
+    for bound, style in MARGIN_SHADES:
+        if margin < bound:
+            return style
+    return ""
+
+
+def fmt_margin(margin: float) -> str:
+    if margin is None or math.isnan(margin):
+        return ""
+    return f"{margin:.3g}" if margin < 0.01 else f"{margin:.3f}"
+
+
+def margin_legend() -> Text:
+    t = Text("margin (top-1 − top-2): ")
+    for bound, style in MARGIN_SHADES:
+        t.append(f" <{bound:g} ", style)
+        t.append(" ")
+    return t
+
+
+def marks_legend(two: bool) -> Text:
+    t = Text()
+    if two:
+        t.append(f"{FIRST_DIVERGENT} first divergent token  ", "bold red")
+        t.append(f"{FIRST_NUMERIC} first numeric difference  ", "bold yellow")
+        t.append(f"{LOGITS_DIFFER} logits differ  ", "yellow")
+        t.append(f"{TOKEN_DIFFERS} token differs", "red")
+    return t
