@@ -7,6 +7,7 @@ as soon as the app starts; screens redraw when `AnalysisReady` arrives.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from textual import work
 from textual.app import App
@@ -25,7 +26,7 @@ from .screens.tokens import TokenScreen
 
 
 class BrowseApp(App):
-    CSS_PATH = "browse.tcss"
+    CSS_PATH = Path(__file__).with_name("browse.tcss")  # absolute: subclasses live elsewhere
     TITLE = "divergence browse"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [

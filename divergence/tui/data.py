@@ -114,15 +114,27 @@ class TokenAlignment:
     steps: np.ndarray  # int [2, n] (-1 where absent)
     margins: np.ndarray  # float64 [2, n]: top-1 minus top-2 logit (nan where absent / K < 2)
     top1: np.ndarray  # float32 [2, n]: the top-1 logit
+    topk_ids: np.ndarray  # int32 [2, n, K] (-1 where absent)
+    topk_logits: np.ndarray  # float32 [2, n, K]
     differs: np.ndarray  # bool [n]: tokens differ (or one side lacks the position)
     numeric: np.ndarray  # bool [n]: stored top-k ids or logit bits differ
-    max_delta: np.ndarray  # float64 [n]: largest |Δlogit| over ids in both top-k lists
     first_divergent: int | None  # row
     first_numeric: int | None  # row
     two: bool
 
     def __len__(self) -> int:
         return len(self.positions)
+
+    def max_delta(self, i: int) -> float:
+        """Largest |Δlogit| at row i over token ids in both sides' top-k (0.0 with one trace)."""
+        if not self.two or not self.present[:, i].all():
+            return 0.0
+        ia, ib = self.topk_ids[0, i], self.topk_ids[1, i]
+        match = (ia[:, None] == ib[None, :]) & (ia[:, None] >= 0)
+        if not match.any():
+            return 0.0
+        la, lb = self.topk_logits[0, i].astype(np.float64), self.topk_logits[1, i].astype(np.float64)
+        return float(np.abs(la[:, None] - lb[None, :])[match].max())
 
     def row_of_position(self, position: int) -> int | None:
         i = int(np.searchsorted(self.positions, position))
@@ -495,15 +507,18 @@ class BrowseData:
 
     def _align(self, request_id: str) -> TokenAlignment:
         recs = [t.tokens(request_id) for t in self.traces]
-        positions = recs[0].positions if not self.two else np.union1d(recs[0].positions, recs[1].positions)
-        positions = np.asarray(positions, np.int64)
+        pa = np.asarray(recs[0].positions, np.int64)
+        if not self.two or np.array_equal(pa, recs[1].positions):
+            positions = pa
+        else:
+            positions = np.unique(np.concatenate([pa, np.asarray(recs[1].positions, np.int64)]))
         n, S = len(positions), 2
         present = np.zeros((S, n), bool)
         tokens = np.full((S, n), -1, np.int64)
         steps = np.full((S, n), -1, np.int64)
         margins = np.full((S, n), np.nan)
         K = max(1, max(r.topk_ids.shape[1] if r.topk_ids.ndim == 2 else 0 for r in recs))
-        ids = np.full((S, n, K), -1, np.int64)
+        ids = np.full((S, n, K), -1, np.int32)
         logits = np.full((S, n, K), np.nan, np.float32)
         for s, r in enumerate(recs):
             rows = np.searchsorted(positions, r.positions)
@@ -519,23 +534,17 @@ class BrowseData:
         if not self.two:
             z = np.zeros(n, bool)
             return TokenAlignment(request_id, len(self.prompt(request_id)), positions, present, tokens, steps,
-                                  margins, logits[:, :, 0], z, z, np.zeros(n), None, None, False)
+                                  margins, logits[:, :, 0], ids, logits, z, z, None, None, False)
         both = present[0] & present[1]
         differs = (tokens[0] != tokens[1]) | ~both
         bits = logits.view(np.uint32)
         numeric = both & ((bits[0] != bits[1]).any(axis=1) | (ids[0] != ids[1]).any(axis=1))
-        max_delta = np.zeros(n)
-        for lo in range(0, n, 65536):  # [chunk, K, K] at a time
-            hi = min(n, lo + 65536)
-            match = (ids[0, lo:hi, :, None] == ids[1, lo:hi, None, :]) & (ids[0, lo:hi, :, None] >= 0)
-            dl = np.abs(logits[0, lo:hi, :, None].astype(np.float64) - logits[1, lo:hi, None, :])
-            max_delta[lo:hi] = np.where(match, np.nan_to_num(dl), 0.0).max(axis=(1, 2), initial=0.0)
         fd = np.flatnonzero(differs & both)
         if not fd.size:
             fd = np.flatnonzero(differs)
         fn = np.flatnonzero(numeric)
         return TokenAlignment(request_id, len(self.prompt(request_id)), positions, present, tokens, steps, margins,
-                              logits[:, :, 0], differs, numeric, max_delta, int(fd[0]) if fd.size else None,
+                              logits[:, :, 0], ids, logits, differs, numeric, int(fd[0]) if fd.size else None,
                               int(fn[0]) if fn.size else None, True)
 
     def topk(self, request_id: str, row: int) -> TopK:

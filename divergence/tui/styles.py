@@ -23,6 +23,22 @@ SIDE_DIFFERS = "bold red"
 SAME = ""
 
 
+def cells(*cols: tuple, sep: str = " ") -> Text:
+    """One line of fixed-width cells: (content, width[, justify]). Cheaper than a rich Table."""
+    line = Text(no_wrap=True, end="")
+    for i, col in enumerate(cols):
+        content, width = col[0], col[1]
+        justify = col[2] if len(col) > 2 else "left"
+        t = content.copy() if isinstance(content, Text) else Text(str(content))
+        if t.cell_len > width:
+            t.truncate(width, overflow="ellipsis")
+        t.align(justify, width)
+        if i:
+            line.append(sep)
+        line.append_text(t)
+    return line
+
+
 def margin_style(margin: float) -> str:
     if margin is None or math.isnan(margin):
         return ""
@@ -39,9 +55,9 @@ def fmt_margin(margin: float) -> str:
 
 
 def margin_legend() -> Text:
-    t = Text("margin (top-1 − top-2): ")
+    t = Text("margin ")
     for bound, style in MARGIN_SHADES:
-        t.append(f" <{bound:g} ", style)
+        t.append(f"<{bound:g}", style)
         t.append(" ")
     return t
 
@@ -49,8 +65,8 @@ def margin_legend() -> Text:
 def marks_legend(two: bool) -> Text:
     t = Text()
     if two:
-        t.append(f"{FIRST_DIVERGENT} first divergent token  ", "bold red")
-        t.append(f"{FIRST_NUMERIC} first numeric difference  ", "bold yellow")
+        t.append(f"{FIRST_DIVERGENT} first divergent  ", "bold red")
+        t.append(f"{FIRST_NUMERIC} first numeric Δ  ", "bold yellow")
         t.append(f"{LOGITS_DIFFER} logits differ  ", "yellow")
         t.append(f"{TOKEN_DIFFERS} token differs", "red")
     return t

@@ -16,6 +16,7 @@ class BrowseScreen(Screen):
     HELP: str = ""  # one line for the help screen
     GOTO_PROMPT: str = ""  # what `g` asks for on this screen ("" = nothing to go to)
     SEARCH_PROMPT: str = ""  # what `/` searches on this screen
+    PAIR_ACTIONS: tuple = ()  # actions that need two traces (hidden with one)
 
     @property
     def browser(self) -> "BrowseApp":
@@ -24,6 +25,11 @@ class BrowseScreen(Screen):
     @property
     def data(self) -> "BrowseData":
         return self.browser.data
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if not self.data.two and (action in self.PAIR_ACTIONS or parameters == (1,)):
+            return False
+        return True
 
     def goto(self, text: str) -> str | None:
         """Go to what the user typed; return an error text when it names nothing here."""

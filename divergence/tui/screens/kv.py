@@ -17,6 +17,7 @@ from .base import BrowseScreen
 class KvScreen(BrowseScreen):
     HELP = "one request's KV cache, layer x position; cells where A's and B's hashes differ"
     GOTO_PROMPT = "position (or L<layer>:<position>)"
+    PAIR_ACTIONS = ("earliest", "toggle_at")
     BINDINGS = [
         Binding("d", "earliest", "earliest Δ"),
         Binding("e", "toggle_at", "at divergence / end"),
@@ -97,8 +98,8 @@ class KvScreen(BrowseScreen):
         if g.at_steps == (None, None):
             t.append(" · live writes at the end of the run")
         else:
-            t.append(" · as read by the first numerically divergent step "
-                     + ", ".join(f"{'AB'[s]} step {g.at_steps[s]}" for s in d.sides), style="yellow")
+            t.append(" · as read at the first numeric divergence ("
+                     + ", ".join(f"{'AB'[s]} step {g.at_steps[s]}" for s in d.sides) + ")", style="yellow")
         if g.two:
             t.append(f" · {g.num_differ} of {int((g.step >= 0).all(axis=0).sum())} cells differ",
                      style="red" if g.num_differ else "green")
@@ -132,7 +133,7 @@ class KvScreen(BrowseScreen):
             else:
                 t.append(f"step {step:<6} k {int(g.k_hash[s, layer_row, position]):016x}  "
                          f"v {int(g.v_hash[s, layer_row, position]):016x}")
-        self.query_one("#kv-detail", Static).update(t)
+        self.query_one("#kv-detail", Static).update(t, layout=False)
 
     # -- actions --
     def action_earliest(self) -> None:

@@ -19,6 +19,7 @@ class OverviewScreen(BrowseScreen):
     HELP = "every request: identical or where it diverged, and the batch step that caused it"
     GOTO_PROMPT = "request id"
     SEARCH_PROMPT = "request id (substring)"
+    PAIR_ACTIONS = ("next_diverged",)
     BINDINGS = [
         Binding("enter", "open", "tokens", show=False),
         Binding("d", "next_diverged", "next diverged"),
@@ -102,7 +103,7 @@ class OverviewScreen(BrowseScreen):
         lines = d.report_lines(r.id) if d.two else [f"{r.id}  prompt: {d.prompt_text(r.id)!r}"]
         text = Text("\n".join(lines))
         text.append("\nenter: tokens · s: steps · k: KV cache", style="dim")
-        detail.update(text)
+        detail.update(text, layout=False)
 
     def action_next_diverged(self) -> None:
         table = self.query_one("#requests", VirtualTable)

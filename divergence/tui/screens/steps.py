@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -17,10 +15,14 @@ from ..widgets.virtual_table import Column, VirtualTable
 from .base import BrowseScreen
 
 
+MAX_SLICES = 9  # lines of the detail panel's tables (it has a fixed height)
+
+
 class StepScreen(BrowseScreen):
     HELP = "every engine step of one trace: rows, phases, co-batched requests, kernel per op class"
     GOTO_PROMPT = "step index"
     SEARCH_PROMPT = "request id (steps that hold it)"
+    PAIR_ACTIONS = ("root_cause",)
     BINDINGS = [
         Binding("a", "side(0)", "A timeline"),
         Binding("b", "side(1)", "B timeline"),
@@ -104,7 +106,7 @@ class StepScreen(BrowseScreen):
 
     def _columns(self) -> list[Column]:
         return [Column("", 1), Column("", 1), Column("step", 6, "right"), Column("model", 6), Column("rows", 5, "right"),
-                Column("ms", 7, "right"), Column("composition", 44)] + [Column(n, 9) for n, _ in OP_CLASSES]
+                Column("ms", 7, "right"), Column("composition", 0)] + [Column(n, 9) for n, _ in OP_CLASSES]
 
     def _render_row(self, i: int):
         idx = self.data.steps(self.side)
@@ -132,34 +134,41 @@ class StepScreen(BrowseScreen):
 
     def _detail(self, row: int) -> None:
         d = self.data
+        widget = self.query_one("#step-detail", Static)
         if not len(d.steps(self.side)):
-            self.query_one("#step-detail", Static).update("no steps")
+            widget.update("no steps")
             return
         det = d.step_detail(self.side, row)
-        parts = []
-        head = Text(f"step {det.step} ({det.model}) · {det.rows} rows · {det.duration_ms:.2f} ms", style="bold")
+        text = Text(f"step {det.step} ({det.model}) · {det.rows} rows · {det.duration_ms:.2f} ms", style="bold")
         for w in det.marks:
-            head.append(f"\n{S.ROOT_CAUSE if w.startswith('root') else S.DIVERGENT_STEP} {w}",
-                        style="bold red" if w.startswith("root") else "bold yellow")
-        parts.append(head)
-        sl = Table(box=None, padding=(0, 1), show_edge=False, title_justify="left")
-        for c in ("request", "phase", "positions", "rows"):
-            sl.add_column(c)
-        for s in det.slices:
-            sl.add_row(s["request_id"], s["phase"], f"{s['start']}..{s['start'] + s['count'] - 1}",
-                       f"{s['row_offset']}..{s['row_offset'] + s['count'] - 1}")
-        kt = Table(box=None, padding=(0, 1), show_edge=False)
-        for c in ("op", "layers", "kernel", "M×N×K"):
-            kt.add_column(c)
+            root = w.startswith("root")
+            text.append(f"   {S.ROOT_CAUSE if root else S.DIVERGENT_STEP} {w}", style="bold red" if root else "bold yellow")
+        left = [S.cells(("request", 10), ("phase", 8), ("positions", 13), ("rows", 11))]
+        for sl in det.slices[:MAX_SLICES]:
+            left.append(S.cells((sl["request_id"], 10), (sl["phase"], 8),
+                                (f"{sl['start']}..{sl['start'] + sl['count'] - 1}", 13),
+                                (f"{sl['row_offset']}..{sl['row_offset'] + sl['count'] - 1}", 11)))
+        if len(det.slices) > MAX_SLICES:
+            left.append(Text(f"… {len(det.slices) - MAX_SLICES} more slices", style="dim"))
+        right = [S.cells(("op", 10), ("layers", 7), ("kernel", 8), ("M×N×K", 16))]
         if not d.steps(self.side).kernels_ready:
-            kt.add_row("…", "", "", "")
-        for k in det.kernels:
-            kt.add_row(k.op, k.layers, Text(k.kernel, style="magenta" if k.kernel.startswith("gemm") else ""),
-                       f"{k.m}×{k.n}×{k.k}")
-        grid = Table.grid(padding=(0, 4))
-        grid.add_row(sl, kt)
-        parts.append(grid)
-        self.query_one("#step-detail", Static).update(Group(*parts))
+            right.append(Text("reading the kernel table…", style="dim"))
+        for k in det.kernels[:MAX_SLICES]:
+            right.append(S.cells((k.op, 10), (k.layers, 7),
+                                 (Text(k.kernel, style="magenta" if k.kernel.startswith("gemm") else ""), 8),
+                                 (f"{k.m}×{k.n}×{k.k}", 16)))
+        left[0].stylize("dim")
+        right[0].stylize("dim")
+        width = left[0].cell_len
+        for i in range(max(len(left), len(right))):
+            a = left[i].copy() if i < len(left) else Text()
+            a.align("left", width)
+            text.append("\n")
+            text.append_text(a)
+            text.append("    ")
+            if i < len(right):
+                text.append_text(right[i])
+        widget.update(text, layout=False)
 
     # -- actions --
     def action_side(self, side: int) -> None:

@@ -19,6 +19,7 @@ class TokenScreen(BrowseScreen):
     HELP = "one request's tokens, A and B side by side; the top-k of both under the cursor"
     GOTO_PROMPT = "position, or #N for the N-th generated token"
     SEARCH_PROMPT = "token text"
+    PAIR_ACTIONS = ("first_divergent", "first_numeric")
     BINDINGS = [
         Binding("d", "first_divergent", "first divergent"),
         Binding("f", "first_numeric", "first numeric Δ"),
@@ -145,7 +146,7 @@ class TokenScreen(BrowseScreen):
         if not al.two:
             return cells + [f"{float(al.top1[A, i]):.6f}"], row_style
         cells += self._side_cells(B, i, differs)
-        dl = float(al.max_delta[i])
+        dl = al.max_delta(i)
         cells.append(Text(fmt_delta(dl).lstrip("+") if dl else ("0" if al.present[:, i].all() else ""),
                           style="yellow" if dl else "dim"))
         return cells, row_style

@@ -1,17 +1,20 @@
 """Both sides' top-k candidates of one token: ids, text, exact logits, Δ against the other side."""
 from __future__ import annotations
 
-from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
 from ..data import TopK, TopKSide, fmt_delta, fmt_logit
+from ..styles import cells
+
+WIDTHS = (1, 2, 6, 12, 15, 12)  # mark, rank, id, text, logit, Δ
+SIDE_WIDTH = sum(WIDTHS) + len(WIDTHS) - 1
+GAP = "   "
 
 
 class TopKPanel(Static):
     DEFAULT_CSS = """
-    TopKPanel { height: auto; max-height: 50%; border-top: solid $primary; padding: 0 1; }
+    TopKPanel { height: auto; border-top: solid $primary; padding: 0 1; }
     """
 
     def __init__(self, *, id: str | None = None):
@@ -19,38 +22,53 @@ class TopKPanel(Static):
         self.topk: TopK | None = None
 
     def show(self, topk: TopK | None) -> None:
+        height_before = self._lines(self.topk)
         self.topk = topk
-        self.update(self._render_topk(topk) if topk else "")
+        self.update(self._render_topk(topk) if topk else "", layout=self._lines(topk) != height_before)
 
-    def _side_table(self, side: TopKSide | None, label: str) -> Table:
+    @staticmethod
+    def _lines(topk: TopK | None) -> int:
+        return 0 if topk is None else 3 + max(len(s.ids) if s else 0 for s in topk.sides)
+
+    @staticmethod
+    def _side_lines(side: TopKSide | None, label: str, two: bool, k: int) -> list[Text]:
         if side is None:
-            t = Table(title=f"{label}: no token at this position", title_justify="left", box=None,
-                      title_style="bold")
-            return t
-        chosen = f"{side.token} {side.texts[side.ids.index(side.token)] if side.token in side.ids else ''}"
-        t = Table(title=f"{side.label} · step {side.step} · chose {chosen}", title_justify="left",
-                  title_style="bold", box=None, padding=(0, 1), show_edge=False, expand=False)
-        t.add_column("#", justify="right", style="dim")
-        t.add_column("id", justify="right")
-        t.add_column("text", max_width=14, no_wrap=True)
-        t.add_column("logit (float32)", justify="right")
-        t.add_column("Δ vs other", justify="right")
+            return [Text(f"{label}: no token at this position", style="bold")] + [Text()] * (k + 1)
+        chosen = side.texts[side.ids.index(side.token)] if side.token in side.ids else ""
+        title = Text(f"{side.label} · step {side.step} · chose {side.token} {chosen}", style="bold")
+        head = cells(("", 1), ("#", 2, "right"), ("id", 6, "right"), ("text", 12), ("logit (float32)", 15, "right"),
+                     ("Δ vs other" if two else "", 12, "right"))
+        head.stylize("dim")
+        out = [title, head]
         for rank, (i, text, logit, delta) in enumerate(zip(side.ids, side.texts, side.logits, side.deltas)):
-            style = "bold" if i == side.token else ""
-            d = Text(fmt_delta(delta), style="yellow" if delta else "dim")
-            if delta is None and self.topk and sum(s is not None for s in self.topk.sides) == 2:
-                d = Text("not in other", style="dim italic")
-            mark = " ◀" if i == side.token else ""
-            t.add_row(str(rank + 1), str(i), Text(text + mark, style=style), Text(fmt_logit(logit), style=style), d)
-        return t
+            mine = i == side.token
+            style = "bold" if mine else ""
+            if delta is None:
+                d = Text("not in other" if two else "", style="dim italic")
+            else:
+                d = Text(fmt_delta(delta), style="yellow" if delta else "dim")
+            out.append(cells((Text("◀" if mine else "", style="bold"), 1), (str(rank + 1), 2, "right"),
+                             (Text(str(i), style=style), 6, "right"), (Text(text, style=style), 12),
+                             (Text(fmt_logit(logit), style=style), 15, "right"), (d, 12, "right")))
+        out += [Text()] * (k + 2 - len(out))
+        return out
 
-    def _render_topk(self, topk: TopK):
-        head = Text(f"{topk.request_id} · position {topk.position} (generated #{topk.generated_index}) · top-k",
+    def _render_topk(self, topk: TopK) -> Text:
+        two = len(topk.sides) == 2
+        k = max(len(s.ids) if s else 0 for s in topk.sides)
+        cols = [self._side_lines(s, "AB"[n], two, k) for n, s in enumerate(topk.sides)]
+        text = Text(f"{topk.request_id} · position {topk.position} (generated #{topk.generated_index}) · top-k",
                     style="bold")
-        if len(topk.sides) == 1:
-            return Group(head, self._side_table(topk.sides[0], "A"))
-        grid = Table.grid(padding=(0, 3))
-        grid.add_column()
-        grid.add_column()
-        grid.add_row(self._side_table(topk.sides[0], "A"), self._side_table(topk.sides[1], "B"))
-        return Group(head, grid)
+        for row in zip(*cols):
+            text.append("\n")
+            for n, part in enumerate(row):
+                if n:
+                    text.append(GAP)
+                    part = part.copy()
+                else:
+                    part = part.copy()
+                    if two:
+                        part.truncate(SIDE_WIDTH, overflow="ellipsis")
+                        part.align("left", SIDE_WIDTH)
+                text.append_text(part)
+        return text

@@ -110,7 +110,7 @@ class VirtualTable(ScrollView, can_focus=True):
         return max(0, min(value, self.row_count - 1)) if self.row_count else 0
 
     def watch_cursor(self, old: int, new: int) -> None:
-        self._cache.clear()
+        # no cache to clear: cached lines are keyed by whether they hold the cursor
         self.scroll_to_row(new)
         self.refresh()
         if self.row_count:
@@ -156,11 +156,9 @@ class VirtualTable(ScrollView, can_focus=True):
             self.cursor = row
 
     def on_focus(self) -> None:
-        self._cache.clear()
         self.refresh()
 
     def on_blur(self) -> None:
-        self._cache.clear()
         self.refresh()
 
     # -- rendering --
