@@ -105,18 +105,12 @@ def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), p
     made_dir = out_dir is None or not Path(out_dir).exists()
     out = Path(tempfile.mkdtemp(prefix="divergence-check-")) if out_dir is None else Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = subject.run(requests, schedules, out)
-
-    from ..trace.reader import Trace
-
-    comparisons = []
-    base = Trace.open(paths[schedules[0]])
     try:
-        for s in schedules[1:]:
-            with Trace.open(paths[s]) as other:
-                comparisons.append(_compare(base, other, confirm=confirm))
-    finally:
-        base.close()
+        paths, comparisons = _run_and_compare(subject, requests, schedules, out, confirm=confirm)
+    except BaseException:
+        if out_dir is None:  # nobody knows this folder: don't leave it behind
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     reports = {s: c.report for s, c in zip(schedules[1:], comparisons)}
     result = reports[schedules[1]] if len(schedules) == 2 else reports
     if not all(c.report.identical for c in comparisons):
@@ -128,6 +122,19 @@ def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), p
         if made_dir and not any(out.iterdir()):
             out.rmdir()
     return result
+
+
+def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool):
+    """Run every schedule into out/<schedule>.h5; compare each against the first."""
+    from ..trace.reader import Trace
+
+    paths = subject.run(requests, schedules, out)
+    comparisons = []
+    with Trace.open(paths[schedules[0]]) as base:
+        for s in schedules[1:]:
+            with Trace.open(paths[s]) as other:
+                comparisons.append(_compare(base, other, confirm=confirm))
+    return paths, comparisons
 
 
 # -- the subject: a model directory or a user's Engine -----------------------------------

@@ -52,7 +52,7 @@ def test_traces_equal_on_paths_and_open_traces(diverged):
     assert report.identical and len(report.diff.requests) == 3
 
 
-def test_an_engine_is_run_as_configured_and_left_as_it_was():
+def test_an_engine_is_run_as_configured_and_left_as_it_was(tmp_path):
     from divergence.engine.engine import Engine
     from divergence.engine.model import load_model
     from divergence.fixtures import TARGET
@@ -61,7 +61,8 @@ def test_an_engine_is_run_as_configured_and_left_as_it_was():
     report = assert_reproducible(engine, [DIVERGING[0], engine.encode(DIVERGING[1])], max_tokens=MAX_TOKENS)
     assert report.identical and [r.id for r in report.diff.requests] == ["r1", "r2"]
     with pytest.raises(AssertionError, match="policy threshold:1"):
-        assert_reproducible(engine, DIVERGING, policy="threshold:1", max_tokens=MAX_TOKENS, confirm=False)
+        assert_reproducible(engine, DIVERGING, policy="threshold:1", max_tokens=MAX_TOKENS, confirm=False,
+                            out_dir=tmp_path)
     assert str(engine.policy) == "batch-invariant" and engine.observers == []
 
 

@@ -56,8 +56,8 @@ def test_direct_assertion_traces_are_copied_to_the_artifacts(pytester, run, head
     pytester.makepyfile(test_direct=header + """
 from divergence.testing import assert_reproducible
 
-def test_direct():
-    assert_reproducible(None, PROMPTS, policy="threshold:1", max_tokens=MAX_TOKENS, confirm=False)
+def test_direct(tmp_path):
+    assert_reproducible(None, PROMPTS, policy="threshold:1", max_tokens=MAX_TOKENS, confirm=False, out_dir=tmp_path)
 """)
     result = run("--divergence-artifacts", "out/ci")
     result.assert_outcomes(failed=1)
