@@ -7,7 +7,7 @@ from textual.widgets import Static
 from ..data import TopK, TopKSide, fmt_delta, fmt_logit
 from ..styles import cells
 
-WIDTHS = (1, 2, 6, 12, 15, 12)  # mark, rank, id, text, logit, Δ
+WIDTHS = (1, 2, 6, 10, 14, 11)  # mark, rank, id, text, logit, Δ: two sides fit in 100 columns
 SIDE_WIDTH = sum(WIDTHS) + len(WIDTHS) - 1
 GAP = "   "
 
@@ -36,20 +36,21 @@ class TopKPanel(Static):
             return [Text(f"{label}: no token at this position", style="bold")] + [Text()] * (k + 1)
         chosen = side.texts[side.ids.index(side.token)] if side.token in side.ids else ""
         title = Text(f"{side.label} · step {side.step} · chose {side.token} {chosen}", style="bold")
-        head = cells(("", 1), ("#", 2, "right"), ("id", 6, "right"), ("text", 12), ("logit (float32)", 15, "right"),
-                     ("Δ vs other" if two else "", 12, "right"))
+        w = WIDTHS
+        head = cells(("", w[0]), ("#", w[1], "right"), ("id", w[2], "right"), ("text", w[3]),
+                     ("logit (f32)", w[4], "right"), ("Δ vs other" if two else "", w[5], "right"))
         head.stylize("dim")
         out = [title, head]
         for rank, (i, text, logit, delta) in enumerate(zip(side.ids, side.texts, side.logits, side.deltas)):
             mine = i == side.token
             style = "bold" if mine else ""
             if delta is None:
-                d = Text("not in other" if two else "", style="dim italic")
+                d = Text("absent" if two else "", style="dim italic")
             else:
                 d = Text(fmt_delta(delta), style="yellow" if delta else "dim")
-            out.append(cells((Text("◀" if mine else "", style="bold"), 1), (str(rank + 1), 2, "right"),
-                             (Text(str(i), style=style), 6, "right"), (Text(text, style=style), 12),
-                             (Text(fmt_logit(logit), style=style), 15, "right"), (d, 12, "right")))
+            out.append(cells((Text("◀" if mine else "", style="bold"), w[0]), (str(rank + 1), w[1], "right"),
+                             (Text(str(i), style=style), w[2], "right"), (Text(text, style=style), w[3]),
+                             (Text(fmt_logit(logit), style=style), w[4], "right"), (d, w[5], "right")))
         out += [Text()] * (k + 2 - len(out))
         return out
 
