@@ -85,6 +85,8 @@ class RequestRow:
         if d.status == DIVERGED:
             t = d.first_divergent_token
             return f"diverged at {t.position} (#{t.generated_index})" if t else "diverged (length)"
+        if d.first_numeric_divergence is not None:
+            return f"{d.status}, logits differ"
         return d.status
 
     def numeric_text(self) -> str:
@@ -235,6 +237,17 @@ class _Lru(OrderedDict):
         return v
 
 
+def _compact(labels) -> str:
+    """"gemm/2", "gemm/4", "gemv" -> "gemm/2,4 gemv": every kernel once, split-K counts merged."""
+    kinds: dict[str, list[str]] = {}
+    for lab in labels:
+        kind, _, splits = lab.partition("/")
+        kinds.setdefault(kind, [])
+        if splits:
+            kinds[kind].append(splits)
+    return " ".join(k + ("/" + ",".join(v) if v else "") for k, v in kinds.items())
+
+
 class StepIndex:
     """One trace's steps, for a timeline of any length: columns read once, rows built on demand."""
 
@@ -306,7 +319,7 @@ class StepIndex:
         out = {}
         for name, ops in OP_CLASSES:
             labels = k["label"][np.isin(k["op"], ops)]
-            out[name] = ",".join(dict.fromkeys(labels.tolist())) if labels.size else ""
+            out[name] = _compact(dict.fromkeys(labels.tolist())) if labels.size else ""
         return out
 
     def kernel_rows(self, row: int) -> list[KernelRow] | None:
@@ -458,7 +471,12 @@ class BrowseData:
         d = self.request_diff(request_id)
         if d is None:
             return []
-        return request_lines(d, self.diff.label_a, self.diff.label_b, self.vocab, self.cause(request_id))
+        lines = request_lines(d, self.diff.label_a, self.diff.label_b, self.vocab, self.cause(request_id))
+        n = d.first_numeric_divergence
+        if d.status != DIVERGED and n is not None:
+            lines.append(f"    same tokens, but the stored logits first differ at position {n.position} "
+                         f"({self.diff.label_a} step {n.step_a}, {self.diff.label_b} step {n.step_b})")
+        return lines
 
     # -- metadata --
     def meta_rows(self) -> list[tuple[str, list[str]]]:

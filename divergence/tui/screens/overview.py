@@ -69,7 +69,9 @@ class OverviewScreen(BrowseScreen):
             fin = self.data.trace(0).finish_step(r.id)
             text = self.data.decoded(r.id, 0, 0, 80).replace("\n", "⏎")
             return [r.id, str(r.prompt_len), str(r.len_a), "" if fin is None else str(fin), text], None
-        status = Text(r.status_text(), style="bold red" if r.diverged else ("dim" if r.status == "..." else "green"))
+        text = r.status_text()
+        status = Text(text, style="bold red" if r.diverged else "dim" if r.status == "..." else
+                      "yellow" if "logits differ" in text else "green")
         co = ", ".join(r.cause.co_batched_b) if r.cause else ""
         return ([r.id, str(r.prompt_len), str(r.len_a), str(r.len_b), status, r.numeric_text(),
                  Text(r.cause_text(), style="red" if r.cause else ""), co], "bold" if r.diverged else None)

@@ -106,7 +106,7 @@ class StepScreen(BrowseScreen):
 
     def _columns(self) -> list[Column]:
         return [Column("", 1), Column("", 1), Column("step", 6, "right"), Column("model", 6), Column("rows", 5, "right"),
-                Column("ms", 7, "right"), Column("composition", 0)] + [Column(n, 9) for n, _ in OP_CLASSES]
+                Column("ms", 7, "right"), Column("composition", 0)] + [Column(n, 11) for n, _ in OP_CLASSES]
 
     def _render_row(self, i: int):
         idx = self.data.steps(self.side)
