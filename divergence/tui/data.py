@@ -18,7 +18,7 @@ from ..analysis.bisect import BisectReport, RootCause, bisect_traces
 from ..analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ..analysis.report import KIND_TEXT, request_lines
 from ..errors import DivergenceInputError
-from ..trace.reader import Trace
+from ..trace.reader import TokenRecords, Trace
 from ..trace.schema import KERNELS as KERNEL_NAMES
 
 A, B = 0, 1
@@ -455,7 +455,8 @@ class BrowseData:
         rows = []
         for i, req in enumerate(self.traces[0].requests):
             d = self.request_diff(req.id)
-            status = d.status if d else ("..." if self.two and not self.analysed else "")
+            status = d.status if d else ("..." if self.two and not self.analysed else
+                                         "only in A" if self.two and self.diff is not None else "")
             rows.append(RequestRow(req.id, len(req.prompt_tokens), int(counts[0][i]),
                                    int(counts[1][i]) if self.two else None, status, d, self.cause(req.id)))
         return rows
@@ -524,7 +525,7 @@ class BrowseData:
         return self._tokens[request_id]
 
     def _align(self, request_id: str) -> TokenAlignment:
-        recs = [t.tokens(request_id) for t in self.traces]
+        recs = [self._records(t, request_id) for t in self.traces]
         pa = np.asarray(recs[0].positions, np.int64)
         if not self.two or np.array_equal(pa, recs[1].positions):
             positions = pa
@@ -565,6 +566,14 @@ class BrowseData:
                               logits[:, :, 0], ids, logits, differs, numeric, int(fd[0]) if fd.size else None,
                               int(fn[0]) if fn.size else None, True)
 
+    @staticmethod
+    def _records(trace: Trace, request_id: str):
+        try:
+            return trace.tokens(request_id)
+        except KeyError:  # the request is not in this trace: no tokens
+            z = np.zeros(0, np.int64)
+            return TokenRecords(z, z, z, z, np.zeros((0, 0), np.int32), np.zeros((0, 0), np.float32))
+
     def topk(self, request_id: str, row: int) -> TopK:
         al = self.tokens(request_id)
         position = int(al.positions[row])
@@ -573,7 +582,7 @@ class BrowseData:
             if not al.present[s, row]:
                 raw.append(None)
                 continue
-            rec = t.tokens(request_id)
+            rec = self._records(t, request_id)
             i = int(np.searchsorted(rec.positions, position))
             ids = [int(x) for x in rec.topk_ids[i]]
             vals = [float(x) for x in rec.topk_logits[i]]
@@ -638,7 +647,10 @@ class BrowseData:
     def kv_grid(self, request_id: str, at_steps: tuple = (None, None)) -> KvGrid:
         lives = []
         for s, t in enumerate(self.traces):
-            lives.append(t.live_kv(request_id, model="target", at_step=at_steps[s]))
+            try:
+                lives.append(t.live_kv(request_id, model="target", at_step=at_steps[s]))
+            except KeyError:  # the request is not in this trace
+                lives.append({k: np.zeros(0, np.int64) for k in ("layer", "position", "step", "k_hash", "v_hash")})
         layers = np.unique(np.concatenate([np.asarray(lv["layer"], np.int64) for lv in lives]))
         top = max((int(np.max(lv["position"])) for lv in lives if len(lv["position"])), default=-1)
         positions = np.arange(top + 1)

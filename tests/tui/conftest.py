@@ -40,8 +40,9 @@ def real_pair(tmp_path_factory):
     from divergence.cli.common import default_model_dirs
 
     target_dir, draft_dir = default_model_dirs()
-    if not (target_dir / "config.json").exists():
-        pytest.skip(f"fixture models not built ({target_dir})")
+    for d in (target_dir, draft_dir):
+        if not (d / "config.json").exists() or not any(d.glob("*.safetensors")):
+            pytest.skip(f"fixture models not built ({d})")
     from divergence.prompts import builtin_requests
     from divergence.runner import RunConfig, load_models, run_schedules
 

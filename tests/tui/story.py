@@ -127,7 +127,7 @@ class _Run:
                 n = 512 if op == "lm_head" else 64
                 self.w.on_kernel(KernelChoice(index, "target", layer, op, plan.rows, kernel, plan.rows, n, 64,
                                               splits))
-        for s in plan_slices:
+        for s in plan_slices if self.w.wants_kv_hashes else ():
             for layer in range(self.layers):
                 pos = range(s.start, s.start + s.count)
                 k = [_h(s.request_id, layer, p, self.seqs[s.request_id][p], self.contaminated(s.request_id, p, layer),
@@ -153,8 +153,9 @@ class _Run:
 
 def write_run(path, schedule: str, reqs=None, *, layers: int = 2, top_k: int = 4, vocab: int = 64,
               story: Story | None = STORY, weights_hash: str = "5eed000", duration: float = 0.002,
-              kv_hashes: bool = True):
-    """Write one trace of `reqs` under `schedule` ("serial" or "concurrent")."""
+              kv_hashes: bool = True, stop_after: int | None = None):
+    """Write one trace of `reqs` under `schedule` ("serial" or "concurrent"); with `stop_after`,
+    the run is cut off after that many steps, as a killed run leaves its trace."""
     from divergence.trace.writer import TraceWriter
 
     reqs = requests() if reqs is None else reqs
@@ -164,35 +165,57 @@ def write_run(path, schedule: str, reqs=None, *, layers: int = 2, top_k: int = 4
         w.on_run_start(run.info())
         for r in reqs:
             w.on_request(RequestEvent(r.arrival, r.id, "arrived"))
-        step = 0
-        if schedule == "serial":
-            for r in reqs:
-                done = []
-                while not done:
-                    n = len(run.seqs[r.id])
-                    sl = [(r.id, "prefill", 0, n)] if n == len(r.prompt_tokens) else [(r.id, "decode", n - 1, 1)]
-                    done = run.step(step, sl)
-                    step += 1
-        else:
-            active: list[Request] = []
-            pending = sorted(reqs, key=lambda r: r.arrival)
-            while pending or active:
-                while pending and pending[0].arrival <= step:
-                    active.append(pending.pop(0))
-                if not active:
-                    step += 1
-                    continue
-                sl = []
-                for r in active:
-                    n = len(run.seqs[r.id])
-                    sl.append((r.id, "prefill", 0, n) if n == len(r.prompt_tokens) else (r.id, "decode", n - 1, 1))
-                sl.sort(key=lambda s: s[1] != "prefill")  # prefill rows first, as the engine packs them
-                done = run.step(step, sl)
-                active = [r for r in active if r.id not in done]
-                step += 1
-        w.on_run_end(True)
+        if stop_after is not None:
+            run.step = _killed_after(run.step, stop_after)
+        try:
+            _schedule(run, schedule, reqs)
+            w.on_run_end(True)
+        except _Killed:
+            w.close(completed=None)  # what a SIGKILL leaves: every flushed step, marked incomplete
     _freeze(path)
     return path
+
+
+class _Killed(Exception):
+    pass
+
+
+def _killed_after(step, n: int):
+    def step_or_die(index, slices):
+        if index >= n:
+            raise _Killed
+        return step(index, slices)
+
+    return step_or_die
+
+
+def _schedule(run: "_Run", schedule: str, reqs) -> None:
+    step = 0
+    if schedule == "serial":
+        for r in reqs:
+            done = []
+            while not done:
+                n = len(run.seqs[r.id])
+                sl = [(r.id, "prefill", 0, n)] if n == len(r.prompt_tokens) else [(r.id, "decode", n - 1, 1)]
+                done = run.step(step, sl)
+                step += 1
+    else:
+        active: list[Request] = []
+        pending = sorted(reqs, key=lambda r: r.arrival)
+        while pending or active:
+            while pending and pending[0].arrival <= step:
+                active.append(pending.pop(0))
+            if not active:
+                step += 1
+                continue
+            sl = []
+            for r in active:
+                n = len(run.seqs[r.id])
+                sl.append((r.id, "prefill", 0, n) if n == len(r.prompt_tokens) else (r.id, "decode", n - 1, 1))
+            sl.sort(key=lambda s: s[1] != "prefill")  # prefill rows first, as the engine packs them
+            done = run.step(step, sl)
+            active = [r for r in active if r.id not in done]
+            step += 1
 
 
 def _freeze(path) -> None:

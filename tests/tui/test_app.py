@@ -183,3 +183,52 @@ async def test_clicks_move_the_cursor(app):
         table = app.screen.query_one("#requests", VirtualTable)
         await pilot.click(table, offset=(2, 3))  # header is line 0: line 3 is r3
         assert table.cursor == 2 and app.current_request == "r3"
+
+
+async def test_traces_without_kv_hashes(tmp_path):
+    from . import story
+
+    a = story.write_run(tmp_path / "serial.h5", "serial", kv_hashes=False)
+    b = story.write_run(tmp_path / "concurrent.h5", "concurrent", kv_hashes=False)
+    data = BrowseData.open(a, b)
+    app = BrowseApp(data)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            assert app.screen.rows[0].diverged
+            await pilot.press("k")
+            await settle(pilot)
+            kv = app.screen
+            assert isinstance(kv, KvScreen) and not len(kv.grid.positions)
+            assert "no KV writes recorded" in text_of(kv.query_one("#kv-title"))
+            await pilot.press("d", "b", "right")  # nothing to go to; nothing breaks
+            assert app.screen is kv
+    finally:
+        data.close()
+
+
+KEYS = ["d", "enter", "d", "f", "a", "b", "end", "s", "d", "a", "end", "enter", "k", "d", "e", "a", "end", "b",
+        "n", "o"]
+
+
+@pytest.mark.parametrize("names", [("serial", "killed"), ("empty",)])
+async def test_every_key_on_incomplete_traces(tmp_path, names):
+    """A killed run's trace (cut after 6 steps, or before any) opens, and no key breaks the app."""
+    from . import story
+
+    paths = {"serial": story.write_run(tmp_path / "serial.h5", "serial"),
+             "killed": story.write_run(tmp_path / "killed.h5", "concurrent", stop_after=6),
+             "empty": story.write_run(tmp_path / "empty.h5", "concurrent", stop_after=0)}
+    data = BrowseData.open(*[paths[n] for n in names])
+    app = BrowseApp(data)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(pilot)
+            if "killed" in names or "empty" in names:
+                assert "NO (killed or still running)" in screen_text(app)
+            for k in KEYS:
+                await pilot.press(k)
+            await settle(pilot)
+            assert app.is_running
+    finally:
+        data.close()

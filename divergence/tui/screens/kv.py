@@ -94,6 +94,10 @@ class KvScreen(BrowseScreen):
         g, d = self.grid, self.data
         t = Text(self.request_id, style="bold")
         L, P = len(g.layers), len(g.positions)
+        if not P:
+            t.append(" · no KV writes recorded (a trace run with --no-kv-hashes?)", style="yellow")
+            self.query_one("#kv-title", Static).update(t)
+            return
         t.append(f" · {L} layers × {P} positions (prompt {g.prompt_len})")
         if g.at_steps == (None, None):
             t.append(" · live writes at the end of the run")
@@ -153,7 +157,7 @@ class KvScreen(BrowseScreen):
         self.show_request(self.request_id, self.view.cursor[1], at)
 
     def action_step(self, side: int) -> None:
-        if self.grid is None:
+        if self.grid is None or not len(self.grid.positions):
             return
         side = (B if self.data.two else A) if side < 0 else side
         if side >= len(self.data.traces):

@@ -188,6 +188,8 @@ class StepScreen(BrowseScreen):
     def action_token(self) -> None:
         """Open the token the current request got from this step (or the step's first request's)."""
         idx = self.data.steps(self.side)
+        if not len(idx):
+            return
         r = idx.row(self.table.cursor)
         rid = self.browser.current_request if self.browser.current_request in r.requests else (
             r.requests[0] if r.requests else None)

@@ -173,7 +173,7 @@ class TokenScreen(BrowseScreen):
         return int(self.al.positions[self.table.cursor])
 
     def action_step(self, side: int) -> None:
-        if side >= len(self.data.traces):
+        if side >= len(self.data.traces) or not len(self.al):
             return
         i = self.table.cursor
         if not self.al.present[side, i]:
