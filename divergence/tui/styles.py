@@ -8,6 +8,7 @@ from rich.text import Text
 # top-1 minus top-2 logit: below each bound, that background (the nearer the tie, the hotter)
 MARGIN_SHADES = ((1e-4, "white on red3"), (1e-3, "black on dark_orange3"), (1e-2, "black on gold3"),
                  (1e-1, "black on khaki3"), (1.0, "on grey30"))
+BOUND_TEXT = {1e-4: "1e-4", 1e-3: "1e-3", 1e-2: "0.01", 1e-1: "0.1", 1.0: "1"}
 FIRST_DIVERGENT = "▶"
 FIRST_NUMERIC = "Δ"
 TOKEN_DIFFERS = "≠"
@@ -57,7 +58,7 @@ def fmt_margin(margin: float) -> str:
 def margin_legend() -> Text:
     t = Text("margin ")
     for bound, style in MARGIN_SHADES:
-        t.append(f"<{bound:g}", style)
+        t.append(f"<{BOUND_TEXT.get(bound, f'{bound:g}')}", style)
         t.append(" ")
     return t
 
@@ -66,7 +67,7 @@ def marks_legend(two: bool) -> Text:
     t = Text()
     if two:
         t.append(f"{FIRST_DIVERGENT} first divergent  ", "bold red")
-        t.append(f"{FIRST_NUMERIC} first numeric Δ  ", "bold yellow")
+        t.append(f"{FIRST_NUMERIC} first numeric  ", "bold yellow")
         t.append(f"{LOGITS_DIFFER} logits differ  ", "yellow")
         t.append(f"{TOKEN_DIFFERS} token differs", "red")
     return t

@@ -39,11 +39,13 @@ class TokenScreen(BrowseScreen):
         yield Header()
         yield Static(id="token-title")
         yield Static(id="token-legend")
+        yield Static(id="token-text")
         yield VirtualTable(id="tokens")
         yield TopKPanel(id="topk")
         yield Footer()
 
     def on_mount(self) -> None:
+        self.query_one("#token-text", Static).styles.height = len(self.data.traces)
         self.show_request(self.request_id, self.start_position)
         self.query_one("#tokens", VirtualTable).focus()
 
@@ -155,7 +157,31 @@ class TokenScreen(BrowseScreen):
     def _highlighted(self, event: RowHighlighted) -> None:
         self._show_topk(event.row)
 
+    def _show_text(self, row: int) -> None:
+        """Each side's text around the cursor: what was generated up to it, the token, what follows."""
+        widget = self.query_one("#token-text", Static)
+        al, d = self.al, self.data
+        if al is None or not len(al):
+            widget.update("", layout=False)
+            return
+        half = max(20, (self.size.width - 20) // 2)
+        out = Text(no_wrap=True, overflow="ellipsis")
+        for s in d.sides:
+            if s:
+                out.append("\n")
+            out.append(f"{'AB'[s]} ", style="bold")
+            lo, hi = max(0, row - half), min(len(al), row + half)
+            before = d.decoded(self.request_id, s, lo, row).replace("\n", "⏎")[-half:]
+            after = d.decoded(self.request_id, s, row + 1, hi).replace("\n", "⏎")
+            out.append(("…" if lo or len(before) == half else "") + before, style="dim")
+            here = d.piece(int(al.tokens[s, row])) if al.present[s, row] else None
+            differs = al.two and bool(al.differs[row])
+            out.append((here or "∅").replace("\n", "⏎"), style="bold reverse red" if differs else "bold reverse")
+            out.append(after[:half], style="dim")
+        widget.update(out, layout=False)
+
     def _show_topk(self, row: int) -> None:
+        self._show_text(row)
         if self.al is not None and len(self.al):
             self.query_one("#topk", TopKPanel).show(self.data.topk(self.request_id, row))
         else:
