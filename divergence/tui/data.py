@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -17,7 +17,6 @@ import numpy as np
 from ..analysis.bisect import BisectReport, RootCause, bisect_traces
 from ..analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ..analysis.report import KIND_TEXT, request_lines
-from ..errors import DivergenceInputError
 from ..trace.reader import TokenRecords, Trace
 from ..trace.schema import KERNELS as KERNEL_NAMES
 
@@ -293,11 +292,17 @@ class StepIndex:
             order = None if np.all(np.diff(k["step"]) >= 0) else np.argsort(k["step"], kind="stable")
             if order is not None:
                 k = {n: v[order] for n, v in k.items()}
-            # label per record ("gemm/4", "gemv"), built over unique (kernel, splits) pairs: 1e6 records are common
-            kinds = list(KERNEL_NAMES) + sorted(set(np.unique(k["kernel"][:4096]).tolist()) - set(KERNEL_NAMES))
-            kinv = np.zeros(len(k["kernel"]), np.int64)
-            for j, name in enumerate(kinds[1:], 1):
-                kinv[k["kernel"] == name] = j
+            # a label per record ("gemm/4", "gemv"), built over unique (kernel, splits) pairs: 1e6 records are common
+            kernel = k["kernel"]
+            kinds = list(KERNEL_NAMES)
+            kinv = np.full(len(kernel), -1, np.int64)
+            for j, name in enumerate(kinds):
+                kinv[kernel == name] = j
+            rest = kinv < 0
+            if rest.any():  # kernels this version does not know by name
+                extra, extra_inv = np.unique(kernel[rest], return_inverse=True)
+                kinv[rest] = len(kinds) + extra_inv
+                kinds += [str(x) for x in extra]
             code, inv = np.unique(kinv * 65536 + k["splits"], return_inverse=True)
             names = np.array([f"{kinds[c // 65536]}/{c % 65536}" if kinds[c // 65536] == "gemm" else kinds[c // 65536]
                               for c in code.tolist()])

@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.widgets import Footer, Header, Static
 
 from .. import styles as S
-from ..data import A, B, OP_CLASSES
+from ..data import B, OP_CLASSES
 from ..messages import KernelsReady, OpenRequest, RowHighlighted, RowSelected
 from ..widgets.virtual_table import Column, VirtualTable
 from .base import BrowseScreen
@@ -230,5 +230,3 @@ class StepScreen(BrowseScreen):
         if err:
             self.notify(err, severity="warning")
 
-
-__all__ = ["StepScreen", "A", "B"]
