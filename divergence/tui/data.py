@@ -185,6 +185,22 @@ class KernelRow:
     k: int
 
 
+@dataclass(frozen=True)
+class StepMark:
+    """Why a step matters to one request."""
+
+    request_id: str
+    kind: str  # ROOT_CAUSE_MARK | DIVERGENT_TOKEN_MARK
+    text: str
+
+    @property
+    def root(self) -> bool:
+        return self.kind == ROOT_CAUSE_MARK
+
+
+ROOT_CAUSE_MARK, DIVERGENT_TOKEN_MARK = "root cause", "divergent token"
+
+
 @dataclass
 class StepDetail:
     side: int
@@ -194,7 +210,7 @@ class StepDetail:
     duration_ms: float
     slices: list[dict]
     kernels: list[KernelRow]
-    marks: list[str]  # why this step matters (root cause of r1, produced r1's divergent token, ...)
+    marks: list[StepMark]
 
 
 # -- KV ------------------------------------------------------------------------------------
@@ -618,19 +634,20 @@ class BrowseData:
             self._steps[side] = StepIndex(self.traces[side])
         return self._steps[side]
 
-    def step_marks(self, side: int) -> dict[int, list[str]]:
+    def step_marks(self, side: int) -> dict[int, list[StepMark]]:
         """step -> why it matters: the root-cause step (on each side) and the divergent token's step."""
-        marks: dict[int, list[str]] = {}
+        marks: dict[int, list[StepMark]] = {}
         if self.bisect is None:
             return marks
         for rid, c in self.bisect.causes.items():
             view = c.b if side == B else c.a
-            marks.setdefault(view.step, []).append(f"root cause of {rid} ({KIND_TEXT.get(c.kind, c.kind)})")
+            marks.setdefault(view.step, []).append(
+                StepMark(rid, ROOT_CAUSE_MARK, f"root cause of {rid} ({KIND_TEXT.get(c.kind, c.kind)})"))
         for d in self.diff.requests:
             t = d.first_divergent_token
             if t is not None:
                 marks.setdefault(t.step_b if side == B else t.step_a, []).append(
-                    f"produced {d.id}'s first divergent token (position {t.position})")
+                    StepMark(d.id, DIVERGENT_TOKEN_MARK, f"produced {d.id}'s first divergent token (position {t.position})"))
         return marks
 
     def step_detail(self, side: int, row: int) -> StepDetail:

@@ -75,7 +75,8 @@ def test_steps_and_kernels(pair):
     idx.load_kernels()
     assert idx.row(row).kernels == {"attn": "gemm/4", "mlp": "gemm/4", "head": "gemm/4"}
     det = pair.step_detail(B, row)
-    assert any("root cause of r1" in m for m in det.marks)
+    assert [(m.request_id, m.root) for m in det.marks] == [("r1", True)]
+    assert "root cause of r1" in det.marks[0].text
     assert {k.op for k in det.kernels} >= {"k_proj", "lm_head"}
     assert list(idx.steps_of("r2")) == list(range(3, 11))
 

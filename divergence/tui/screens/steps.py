@@ -9,7 +9,7 @@ from textual.binding import Binding
 from textual.widgets import Footer, Header, Static
 
 from .. import styles as S
-from ..data import B, OP_CLASSES
+from ..data import B, OP_CLASSES, StepMark
 from ..messages import KernelsReady, OpenRequest, RowHighlighted, RowSelected
 from ..widgets.virtual_table import Column, VirtualTable
 from .base import BrowseScreen
@@ -35,7 +35,7 @@ class StepScreen(BrowseScreen):
         super().__init__()
         self.side = side
         self.start_step = step
-        self.marks: dict[int, list[str]] = {}
+        self.marks: dict[int, list[StepMark]] = {}
         self._search = ""
 
     def compose(self) -> ComposeResult:
@@ -96,10 +96,16 @@ class StepScreen(BrowseScreen):
         t.append(f" · {len(idx)} steps · {d.trace(self.side).path.name}")
         rid = self.browser.current_request
         t.append(f" · {S.IN_STEP} = holds {rid}", style="cyan")
+        others = 0
         for step, why in sorted(self.marks.items()):
-            for w in why:
-                mark = S.ROOT_CAUSE if w.startswith("root") else S.DIVERGENT_STEP
-                t.append(f" · {mark} step {step}: {w}", style="red" if mark == S.ROOT_CAUSE else "yellow")
+            for m in why:
+                if m.request_id != rid:
+                    others += 1
+                    continue
+                mark = S.ROOT_CAUSE if m.root else S.DIVERGENT_STEP
+                t.append(f" · {mark} step {step}: {m.text}", style="red" if m.root else "yellow")
+        if others:
+            t.append(f" · {others} marks of other requests", style="dim")
         if d.two and not d.analysed:
             t.append(" · analysing…", style="dim")
         self.query_one("#steps-title", Static).update(t)
@@ -113,7 +119,7 @@ class StepScreen(BrowseScreen):
         r = idx.row(i)
         why = self.marks.get(r.step, [])
         mark, style = " ", None
-        if any(w.startswith("root") for w in why):
+        if any(m.root for m in why):
             mark, style = S.ROOT_CAUSE, S.ROOT_CAUSE_ROW
         elif why:
             mark, style = S.DIVERGENT_STEP, S.DIVERGENT_STEP_ROW
@@ -140,9 +146,9 @@ class StepScreen(BrowseScreen):
             return
         det = d.step_detail(self.side, row)
         text = Text(f"step {det.step} ({det.model}) · {det.rows} rows · {det.duration_ms:.2f} ms", style="bold")
-        for w in det.marks:
-            root = w.startswith("root")
-            text.append(f"   {S.ROOT_CAUSE if root else S.DIVERGENT_STEP} {w}", style="bold red" if root else "bold yellow")
+        for m in det.marks:
+            text.append(f"   {S.ROOT_CAUSE if m.root else S.DIVERGENT_STEP} {m.text}",
+                        style="bold red" if m.root else "bold yellow")
         left = [S.cells(("request", 10), ("phase", 8), ("positions", 13), ("rows", 11))]
         for sl in det.slices[:MAX_SLICES]:
             left.append(S.cells((sl["request_id"], 10), (sl["phase"], 8),
