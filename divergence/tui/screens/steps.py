@@ -70,7 +70,7 @@ class StepScreen(BrowseScreen):
     @work(thread=True, exclusive=True, group="kernels")
     def load_kernels(self, side: int) -> None:
         self.data.steps(side).load_kernels()
-        self.post_message(KernelsReady(side))
+        self.app.post_message(KernelsReady(side))  # the app tells every screen
 
     def on_kernels_ready(self, message: KernelsReady) -> None:
         if message.side == self.side:
