@@ -89,8 +89,7 @@ def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), p
     if policy is not None:
         policy = _policy(policy)
 
-    from .. import blas  # noqa: F401  (the optimized BLAS goes in before MLX, as for the CLI)
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine  # (the engine package loads the optimized BLAS before MLX)
 
     if isinstance(model, Engine):
         subject = _EngineSubject(model, policy=policy, spec_k=spec_k, top_k=top_k, token_budget=token_budget)

@@ -9,9 +9,10 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-# Prompts on which threshold:1 makes serial and concurrent differ within 24 tokens
-# on the fixture model (r1), and the ones that stay equal.
-DIVERGING = ["Return the number of", "If the object", "The socket module provides"]
+# On the fixture model, threshold:1 makes r1 ("This module...") and r3 differ between
+# serial and concurrent within 24 tokens (at generated #5 and #20, whatever they are
+# batched with); r2 stays equal.
+DIVERGING = ["This module provides regular expression", "The socket module provides", "Decode the object using the codec"]
 MAX_TOKENS = 24
 
 

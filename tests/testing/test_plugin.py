@@ -33,7 +33,7 @@ def test_bad(divergence_check, policy):
     result.stdout.fnmatch_lines([
         "E *divergence.testing.ReproducibilityError: serial and concurrent runs differ",
         "E *model * (policy threshold:1, max_tokens 24)",
-        "E *Diverged requests: 1 / 3 (r1)",
+        "E *Diverged requests: 2 / 3 (r1, r3)",
         "E *r1  first divergent token at position * (generated #*)",
         "E *    serial  * runner-up * margin *",
         "E *    concurrent * runner-up *",
@@ -62,7 +62,7 @@ def test_direct(tmp_path):
     result = run("--divergence-artifacts", "out/ci")
     result.assert_outcomes(failed=1)
     art = pytester.path / "out" / "ci" / "test_direct.py__test_direct"
-    result.stdout.fnmatch_lines(["E *Diverged requests: 1 / 3 (r1)", "*- divergence artifacts -*",
+    result.stdout.fnmatch_lines(["E *Diverged requests: 2 / 3 (r1, r3)", "*- divergence artifacts -*",
                                  f"{art}/serial.h5", f"{art}/concurrent.h5"])
     assert "confirmed" not in result.stdout.str()
     assert sorted(p.name for p in art.iterdir()) == ["concurrent.h5", "serial.h5"]
@@ -83,7 +83,7 @@ def test_serving(policy, divergence_check):
         "*_ test_serving?threshold:1? _*",
         "serial and concurrent runs differ",
         "model * (policy threshold:1, max_tokens 24)",
-        "Diverged requests: 1 / 3 (r1)",
+        "Diverged requests: 2 / 3 (r1, r3)",
         "r1  first divergent token at position *",
     ])
     out = result.stdout.str()
