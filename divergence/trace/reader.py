@@ -57,9 +57,12 @@ class Trace:
             if not h5py.is_hdf5(p):
                 raise TraceError(f"{p} is not an HDF5 file (corrupt or not a trace)")
             try:
-                f = h5py.File(p, "r", swmr=True)
-            except OSError:
                 f = h5py.File(p, "r")
+            except OSError as e:
+                if "truncated" in str(e):  # SWMR reads skip the EOF check and can hang on these
+                    raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
+                # a writer killed mid-run leaves the file marked open for SWMR writing
+                f = h5py.File(p, "r", swmr=True)
         except TraceError:
             raise
         except (OSError, ValueError) as e:

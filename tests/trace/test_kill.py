@@ -1,0 +1,48 @@
+"""A run killed with SIGKILL leaves a file that opens, marked incomplete, holding
+every step flushed before the kill."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from divergence import Trace
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from divergence.trace import writer as W
+    from trace.synthetic import emit_run
+    W.FLUSH_SECONDS = 0.0   # flush every step, so the child can report what is on disk
+    w = W.TraceWriter({path!r}, top_k=4)
+    def flushed(step):
+        print(step, flush=True)
+        time.sleep(0.02)
+    emit_run(w, steps=100000, end=False, on_step=flushed)
+""")
+
+
+def test_sigkill_leaves_a_readable_incomplete_trace(tmp_path):
+    path = tmp_path / "killed.h5"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(tests=tests, path=str(path))],
+                            stdout=subprocess.PIPE, text=True)
+    seen = -1
+    deadline = time.time() + 60
+    while seen < 20 and time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen = int(line)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert seen >= 20, "the child never got going"
+    with Trace.open(path) as t:
+        assert not t.completed
+        assert t.num_steps >= seen + 1  # every step reported flushed is there
+        plans = list(t.iter_plans())
+        assert [p.index for p in plans] == list(range(len(plans)))
+        assert len(t.tokens("r1").tokens) >= seen
