@@ -49,5 +49,5 @@ def real_pair(tmp_path_factory):
     cfg = RunConfig(model=target_dir, draft=draft_dir, policy=DEMO_POLICY, spec_k=DEMO_SPEC_K)
     target, draft = load_models(cfg)
     out = tmp_path_factory.mktemp("real")
-    run_schedules(cfg, target, draft, builtin_requests(target.encode, max_tokens=24), ["serial", "concurrent"], out)
+    run_schedules(cfg, target, draft, builtin_requests(target.encode, max_tokens=8), ["serial", "concurrent"], out)
     return out / "serial.h5", out / "concurrent.h5"
