@@ -14,6 +14,7 @@ pytest_plugins = ["pytester"]
 # batched with); r2 stays equal.
 DIVERGING = ["This module provides regular expression", "The socket module provides", "Decode the object using the codec"]
 MAX_TOKENS = 24
+FEW_TOKENS = 8  # r1 alone diverges; enough for checks that pass or that test plumbing
 
 
 def plugin_installed() -> bool:
@@ -40,7 +41,7 @@ def _engine_imported():
 @pytest.fixture
 def header():
     """The first lines of an inner test module: the prompts and max_tokens the tests use."""
-    return f"PROMPTS = {DIVERGING!r}\nMAX_TOKENS = {MAX_TOKENS}\n"
+    return f"PROMPTS = {DIVERGING!r}\nMAX_TOKENS = {MAX_TOKENS}\nFEW_TOKENS = {FEW_TOKENS}\n"
 
 
 @pytest.fixture

@@ -59,12 +59,22 @@ def test_an_engine_is_run_as_configured_and_left_as_it_was(tmp_path):
     from divergence.fixtures import TARGET
 
     engine = Engine(load_model(TARGET), policy="batch-invariant", stop_at_eos=False)
-    report = assert_reproducible(engine, [DIVERGING[0], engine.encode(DIVERGING[1])], max_tokens=MAX_TOKENS)
+    report = assert_reproducible(engine, [DIVERGING[0], engine.encode(DIVERGING[1])], max_tokens=8)
     assert report.identical and [r.id for r in report.diff.requests] == ["r1", "r2"]
     with pytest.raises(AssertionError, match="policy threshold:1"):
-        assert_reproducible(engine, DIVERGING, policy="threshold:1", max_tokens=MAX_TOKENS, confirm=False,
+        assert_reproducible(engine, DIVERGING, policy="threshold:1", max_tokens=8, confirm=False,
                             out_dir=tmp_path)
     assert str(engine.policy) == "batch-invariant" and engine.observers == []
+
+
+def test_speculative_decoding_uses_the_fixture_draft(tmp_path):
+    report = assert_reproducible(None, DIVERGING[:2], policy="batch-invariant", spec_k=2, max_tokens=8,
+                                 out_dir=tmp_path, keep=True)
+    assert report.identical
+    from divergence import Trace
+
+    with Trace.open(tmp_path / "concurrent.h5") as t:
+        assert t.meta["settings"]["spec_k"] == 2 and t.meta["draft"]["path"].endswith("draft")
 
 
 @pytest.mark.xfail(strict=True, reason="analysis.diff.check_comparable counts the warm trace's warm-up requests")
