@@ -52,6 +52,11 @@ def fmt_delta(x) -> str:
     return "" if x is None or np.isnan(x) else ("0" if x == 0 else f"{x:+.3e}")
 
 
+def _name(path) -> str | None:
+    """A model directory by its last part: ".../fixtures/target" -> "target"."""
+    return None if not path else str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
 def span_text(positions) -> str:
     p = list(positions)
     if not p:
@@ -518,13 +523,14 @@ class BrowseData:
         env = lambda m: m["environment"]  # noqa: E731
         add("schedule", lambda m: m["schedule"])
         add("policy", lambda m: m["policy"])
-        add("model", lambda m: f"{m['model'].get('path')} · {str(m['model'].get('weights_hash'))[:12]} · "
+        add("model", lambda m: f"{_name(m['model'].get('path'))} · {str(m['model'].get('weights_hash'))[:8]} · "
                                f"{m['model'].get('dtype')}")
-        add("draft", lambda m: (m["draft"] or {}).get("path"))
-        add("settings", lambda m: f"spec k {m['settings'].get('spec_k')} · budget "
-                                  f"{m['settings'].get('token_budget')} · top-k {m.get('top_k')}")
+        add("draft", lambda m: _name((m["draft"] or {}).get("path")))
+        add("settings", lambda m: f"spec k {m['settings'].get('spec_k')}, budget "
+                                  f"{m['settings'].get('token_budget')}, top-k {m.get('top_k')}")
         add("versions", lambda m: f"mlx {env(m).get('mlx', '?')} · mlx-lm {env(m).get('mlx_lm', '?')}")
-        add("device, BLAS", lambda m: f"{env(m).get('device', '?')} · {env(m).get('blas', '?')}")
+        add("device", lambda m: env(m).get("device"))
+        add("BLAS", lambda m: env(m).get("blas"))
         add("created", lambda m: str(m.get("created", ""))[:19].replace("T", " "))
         add("completed", lambda m: "yes" if m.get("completed") else "NO (killed or still running)")
         return rows

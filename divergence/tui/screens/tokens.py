@@ -38,6 +38,7 @@ class TokenScreen(BrowseScreen):
     def compose(self) -> ComposeResult:
         yield Header()
         yield Static(id="token-title")
+        yield Static(id="token-prompt")
         yield Static(id="token-legend")
         yield Static(id="token-text")
         yield VirtualTable(id="tokens")
@@ -97,10 +98,10 @@ class TokenScreen(BrowseScreen):
             c = d.cause(self.request_id)
             if c is not None:
                 t.append(f" · root cause: B step {c.b.step}", style="red")
-        prompt = d.prompt_text(self.request_id).replace("\n", "⏎")
-        t.append("\nprompt: ", style="dim")
-        t.append(prompt if len(prompt) < 200 else prompt[:200] + "…", style="italic")
         self.query_one("#token-title", Static).update(t)
+        prompt = Text("prompt: ", style="dim", no_wrap=True, overflow="ellipsis")
+        prompt.append(d.prompt_text(self.request_id).replace("\n", "⏎")[:1000], style="italic")
+        self.query_one("#token-prompt", Static).update(prompt)
 
     def refresh_data(self) -> None:
         self._title()
