@@ -9,8 +9,6 @@ from .errors import PromptError
 
 KNOWN_KEYS = {"id", "prompt", "tokens", "max_tokens", "arrival", "temperature", "top_p", "seed"}
 
-# The demo: r1 decodes with speculative decoding while r2's long prompt arrives
-# (seed 000: r2's prefill and r1's verify rows share one step); r3/r4 arrive later.
 DEMO_R2_PROMPT = (
     "Return a new list containing all items from the iterable in ascending order. A custom key function "
     "can be supplied to customize the sort order, and the reverse flag can be set to request the result in "
@@ -18,17 +16,21 @@ DEMO_R2_PROMPT = (
     "compare equal. This is helpful for sorting in multiple passes, for example sort by department, then "
     "by salary grade. Return the number of items in a container. If the object"
 )
+# The demo (seed 000): r1 decodes with speculative decoding (k=3: 4 verify rows)
+# when r2's 154-token prompt arrives; one concurrent step packs r2's prefill with
+# r1's verify rows (158 rows: gemm under threshold:4), r2 finishes in that step,
+# and r1 diverges ~120 tokens later from what that step wrote into its cache.
+# r3 and r4 arrive after r1 is done and stay identical.
 DEMO = [
-    {"id": "r1", "prompt": "Return the number of", "arrival": 0},
-    {"id": "r2", "prompt": DEMO_R2_PROMPT, "arrival": 3},
-    {"id": "r3", "prompt": "Create a new dictionary with keys from", "arrival": 5},
-    {"id": "r4", "prompt": "The socket module provides", "arrival": 9},
+    {"id": "r1", "prompt": "The socket module provides", "arrival": 0, "max_tokens": 160},
+    {"id": "r2", "prompt": DEMO_R2_PROMPT, "arrival": 2, "max_tokens": 1},
+    {"id": "r3", "prompt": "Return the number of", "arrival": 120, "max_tokens": 48},
+    {"id": "r4", "prompt": "Create a new", "arrival": 122, "max_tokens": 48},
 ]
-DEMO_MAX_TOKENS = 96
 
 
 def builtin_requests(encode, *, max_tokens: int | None = None) -> list[Request]:
-    return [_request(dict(d, max_tokens=max_tokens or DEMO_MAX_TOKENS), encode, f"built-in {d['id']}")
+    return [_request(dict(d, max_tokens=max_tokens or d["max_tokens"]), encode, f"built-in {d['id']}")
             for d in DEMO]
 
 

@@ -1,8 +1,8 @@
 """Walk back from a divergent token to the batch step that caused it.
 
-1. From the first numeric divergence, compare the KV writes that the divergent
-   step actually read (the live write of every (layer, position), rollbacks
-   and overwrites included) between the two traces.
+1. At the divergent step (the one that computed the flipped token; with no flip,
+   the first differing logits), compare the KV writes it actually read (the live
+   write of every (layer, position), rollbacks and overwrites included).
 2. The earliest differing (position, layer) names the write, and so the step,
    in each trace; those steps' rows, composition and kernels are the lead.
 3. Classify: `sampler` (logits bitwise equal, token differs), `step_compute`
@@ -139,22 +139,27 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
         # Every stored logit is bitwise equal, yet the token differs: the sampler did it.
         va, vb, op = _views(a, b, tok.step_a, tok.step_b)
         return RootCause(SAMPLER, None, [tok.position], va, vb, _co_batched(b, tok.step_b, d.id), op=None)
-    pos = num.position  # its logits came from the row at pos - 1, in steps num.step_a / num.step_b
-    ka = _cells(a.live_kv(d.id, model="target", at_step=num.step_a), pos)
-    kb = _cells(b.live_kv(d.id, model="target", at_step=num.step_b), pos)
+    # The divergent step is the one that computed the flipped token (or, with no flip,
+    # the first differing logits); compare every KV write it read.
+    if tok is not None:
+        pos, step_a_div, step_b_div = tok.position, tok.step_a, tok.step_b
+    else:
+        pos, step_a_div, step_b_div = num.position, num.step_a, num.step_b
+    ka = _cells(a.live_kv(d.id, model="target", at_step=step_a_div), pos)
+    kb = _cells(b.live_kv(d.id, model="target", at_step=step_b_div), pos)
     common = np.intersect1d(ka["key"], kb["key"])
     ia = np.searchsorted(ka["key"], common)
     ib = np.searchsorted(kb["key"], common)
     differ = (ka["k"][ia] != kb["k"][ib]) | (ka["v"][ia] != kb["v"][ib])
     if not differ.any():
         # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
-        va, vb, op = _views(a, b, num.step_a, num.step_b, prefer=("lm_head",) + WRITE_OPS)
-        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, _co_batched(b, num.step_b, d.id), op=op)
+        va, vb, op = _views(a, b, step_a_div, step_b_div, prefer=("lm_head",) + WRITE_OPS)
+        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, _co_batched(b, step_b_div, d.id), op=op)
     # common is sorted by (position, layer): the first differing cell is the earliest.
     ja, jb = ia[differ][0], ib[differ][0]
     layer = int(kb["layer"][jb])
     step_a, step_b = int(ka["step"][ja]), int(kb["step"][jb])
-    kind = STEP_COMPUTE if step_b == num.step_b and step_a == num.step_a else CACHE_CONTAMINATION
+    kind = STEP_COMPUTE if step_b == step_b_div and step_a == step_a_div else CACHE_CONTAMINATION
     # All differing positions written by that same B step at that layer.
     sel = (kb["step"][ib[differ]] == step_b) & (kb["layer"][ib[differ]] == layer)
     positions = sorted(int(p) for p in kb["position"][ib[differ]][sel])

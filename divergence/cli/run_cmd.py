@@ -20,11 +20,13 @@ def add_arguments(p) -> None:
     p.add_argument("--policy", help="kernel policy: native | batch-invariant | threshold:N "
                    "(default: native with --model; threshold:4 in the demo)")
     p.add_argument("--spec-k", type=int, help="draft tokens per verify (0 = off; demo default 3)")
-    p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default 96, or per request)")
+    p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: per request, or 64)")
     p.add_argument("--token-budget", type=int, default=256, help="rows per engine step (concurrent)")
     p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token")
     p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
     p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
+    p.add_argument("--ignore-eos", action="store_true", default=None,
+                   help="generate max_tokens even past end-of-text (on in the demo, so divergences have room)")
     p.add_argument("--out", metavar="DIR", default="traces", help="where traces go (default ./traces)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
@@ -54,7 +56,8 @@ def main(args) -> int:
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
-                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes)
+                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
+                    stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo))
     target, draft = load_models(cfg)
     if args.prompts:
         requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens)
