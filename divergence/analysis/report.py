@@ -37,7 +37,7 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
     if r.status == MISSING:
         return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
     if r.status != DIVERGED:
-        return [f"{r.id}  identical ({r.compared} tokens)" + ("  [compared up to the end of an incomplete trace]"
+        return [f"{r.id}  identical ({r.compared} token{'s' if r.compared != 1 else ''})" + ("  [compared up to the end of an incomplete trace]"
                                                                if r.truncated else "")]
     w = max(len(label_a), len(label_b)) + 2
     lines = []
