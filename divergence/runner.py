@@ -72,17 +72,22 @@ class _Progress(Observer):
         self.progress.stop()
 
 
+def validate(engine, requests) -> None:
+    """Refuse bad requests (token ids, context length) before anything is written."""
+    from .errors import PromptError
+
+    for r in requests:
+        msg = engine.check(r)
+        if msg:
+            raise PromptError(msg)
+
+
 def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *, progress: bool = False):
     """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}."""
     from .trace.writer import TraceWriter
 
     engine = make_engine(cfg, target, draft)
-    for r in requests:  # refuse bad requests before any file is written
-        msg = engine.check(r)
-        if msg:
-            from .errors import PromptError
-
-            raise PromptError(msg)
+    validate(engine, requests)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}

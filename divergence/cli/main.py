@@ -40,7 +40,10 @@ def main(argv=None) -> int:
     if "--reference-blas" in argv:
         os.environ["DIVERGENCE_BLAS"] = "reference"  # before anything imports mlx
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # usage errors (2) and --help (0)
+        return int(e.code or 0)
     if not getattr(args, "command", None):
         parser.print_help()
         return 2

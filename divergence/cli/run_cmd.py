@@ -66,6 +66,9 @@ def main(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PromptError(f"--out {out} exists and is not a directory")
+    from ..runner import make_engine, validate
+
+    validate(make_engine(cfg, target, draft), requests)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     from ..blas import blas_in_use
 

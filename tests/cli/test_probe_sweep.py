@@ -1,0 +1,67 @@
+"""probe maps row-count classes; sweep counts unique completions."""
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from divergence.cli.main import main
+from divergence.engine.dispatch import KernelDispatcher, KernelPolicy
+from divergence.engine.kernels import LinearOp
+from divergence.probe import OpProbe, classify, probe_linear
+
+
+def test_classify_groups_by_bits():
+    import numpy as np
+
+    a, b = np.array([1, 2], np.uint16), np.array([1, 3], np.uint16)
+    assert classify([a, a, b, b, a]) == [0, 0, 1, 1, 0]
+    p = OpProbe("q_proj", "8x8", "bfloat16", [1, 2, 3, 8, 9], [0, 0, 0, 1, 1])
+    assert p.describe() == "rows 1..3 = M=1, 8..9 class 1"
+
+
+def test_probe_finds_the_split_of_the_engines_own_gemm(target):
+    """threshold:4 runs gemv up to 4 rows and split-K gemm above: the probe must see it."""
+    from divergence.engine.forward import PackedForward
+
+    op = PackedForward(target).ops[0].q
+    disp = KernelDispatcher(KernelPolicy.parse("threshold:4"), "target")
+    rows = list(range(1, 13))
+    classes = probe_linear(op, rows, mx.bfloat16, run=lambda x, o: disp(x, o, 0))
+    assert classes[:4] == [0, 0, 0, 0]
+    assert all(c != 0 for c in classes[4:])
+
+
+def test_probe_cli_on_bf16_fixture_one_class_per_op(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("DIVERGENCE_CACHE_DIR", str(tmp_path))
+    assert main(["probe", "--rows", "1..24", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    ops = {o["op"]: o for o in report["ops"]}
+    assert {"q_proj", "k_proj", "down_proj", "lm_head", "sdpa"} <= set(ops)
+    # MLX's own bf16 matmul on the CPU is batch-invariant: one class per linear op
+    for name, o in ops.items():
+        if name != "sdpa":
+            assert set(o["classes"]) == {0}, (name, o["summary"])
+    assert (tmp_path / "probe.json").exists()
+
+
+def test_probe_fp32_with_openblas_finds_the_blas_split(capsys, tmp_path, monkeypatch):
+    from divergence.blas import blas_in_use
+
+    monkeypatch.setenv("DIVERGENCE_CACHE_DIR", str(tmp_path))
+    assert main(["probe", "--dtype", "float32", "--rows", "1,2,4,8,16,32,64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    down = next(o for o in report["ops"] if o["op"] == "down_proj")
+    if blas_in_use().startswith("OpenBLAS"):
+        # DESIGN.md: with OpenBLAS, fp32 rows <= 8 equal M=1, >= 16 differ
+        assert down["classes"][:4] == [0, 0, 0, 0] and any(c != 0 for c in down["classes"][4:])
+    else:
+        assert set(down["classes"]) == {0}
+
+
+def test_sweep_counts_unique_completions(capsys):
+    assert main(["sweep", "-n", "4", "--max-tokens", "24", "--max-batch", "4", "--policy", "batch-invariant",
+                 "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["runs"] == 4 and r["unique_completions"] == 1 and r["counts"] == [4]
