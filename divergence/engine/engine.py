@@ -68,6 +68,8 @@ class RunResult:
     steps: int  # forward passes (target + draft)
     target_steps: int
     seconds: float
+    blocks_in_use: int = 0  # KV blocks still held after the run (target + draft): 0, or a leak
+    prefix_hits: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def generated_tokens(self) -> int:
@@ -256,8 +258,9 @@ class _Run:
                 continue
             self.outputs.setdefault(r.id, RequestOutput(r.id, list(r.prompt_tokens), [], "", "error",
                                                         error=self.bad.get(r.id, "not run")))
+        held = self.target.blocks.in_use + (self.draft.blocks.in_use if self.draft else 0)
         return RunResult(self.schedule, str(e.policy), self.outputs, self.step, self.target_steps,
-                         time.perf_counter() - t0)
+                         time.perf_counter() - t0, held, self.target.blocks.hits)
 
     def _drain(self, sched: Scheduler) -> None:
         """Run one scheduler's requests to completion."""
