@@ -61,14 +61,16 @@ def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None):
 
 def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), policy=None, spec_k=None,
                         max_tokens: int = DEFAULT_MAX_TOKENS, draft=None, top_k=None, token_budget=None,
-                        dtype: str | None = None, confirm: bool = True, out_dir=None, keep: bool = False):
+                        dtype: str | None = None, stop_at_eos=None, confirm: bool = True, out_dir=None,
+                        keep: bool = False):
     """Run `prompts` under each schedule with tracing; assert every schedule gives the first one's
     tokens and logits bit for bit.
 
     model: a model directory, an `Engine`, or None for the embedded fixture model
       (with spec_k > 0 the default draft is the fixture draft).
     prompts: strings, token-id lists, `Request`s or prompt-file dicts ({"prompt": ..., "arrival": 3}).
-    policy / spec_k / top_k / token_budget: default native / 0 / 8 / 256, or the Engine's own.
+    policy / spec_k / top_k / token_budget / stop_at_eos: default native / 0 / 8 / 256 / True,
+      or the Engine's own.
     confirm: replay each root-cause step with the other schedule's kernel to prove it.
     out_dir: where the traces go (default: a temporary folder). They are deleted when
       the check passes (unless `keep`) and kept, and named in the message, when it fails.
@@ -92,12 +94,13 @@ def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), p
     from ..engine.engine import Engine  # (the engine package loads the optimized BLAS before MLX)
 
     if isinstance(model, Engine):
-        subject = _EngineSubject(model, policy=policy, spec_k=spec_k, top_k=top_k, token_budget=token_budget)
+        subject = _EngineSubject(model, policy=policy, spec_k=spec_k, top_k=top_k, token_budget=token_budget,
+                                 stop_at_eos=stop_at_eos)
         if draft is not None or dtype is not None:
             raise PromptError("draft and dtype are the Engine's own: pass them when constructing it")
     else:
         subject = _DirSubject(model, draft, policy=policy, spec_k=spec_k, top_k=top_k,
-                              token_budget=token_budget, dtype=dtype)
+                              token_budget=token_budget, dtype=dtype, stop_at_eos=stop_at_eos)
     requests = _requests(items, subject.encode, max_tokens)
     subject.check(requests)
 
@@ -142,7 +145,7 @@ def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool):
 class _DirSubject:
     """Models loaded (and cached per process) from directories, run through divergence.runner."""
 
-    def __init__(self, model, draft, *, policy, spec_k, top_k, token_budget, dtype):
+    def __init__(self, model, draft, *, policy, spec_k, top_k, token_budget, dtype, stop_at_eos):
         __tracebackhide__ = True
         from ..runner import RunConfig, load_models
 
@@ -153,7 +156,8 @@ class _DirSubject:
             raise PromptError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
         self.cfg = RunConfig(model=model_dir, draft=draft_dir, dtype=dtype, policy=policy or DEFAULT_POLICY,
                              spec_k=spec_k, token_budget=token_budget or DEFAULT_TOKEN_BUDGET,
-                             top_k=top_k or DEFAULT_TOP_K)
+                             top_k=top_k or DEFAULT_TOP_K,
+                             stop_at_eos=True if stop_at_eos is None else bool(stop_at_eos))
         self.target, self.draft = load_models(self.cfg)
 
     def encode(self, text: str) -> list[int]:
@@ -183,7 +187,7 @@ class _EngineSubject:
     """A user's Engine, run as it is configured (policy / top_k / token_budget may be overridden
     for the check and are restored after); a TraceWriter is added to its observers per schedule."""
 
-    def __init__(self, engine, *, policy, spec_k, top_k, token_budget):
+    def __init__(self, engine, *, policy, spec_k, top_k, token_budget, stop_at_eos):
         __tracebackhide__ = True
         self.engine = engine
         if spec_k is not None and spec_k != engine.spec_k:
@@ -196,6 +200,8 @@ class _EngineSubject:
             self.overrides["policy"] = KernelPolicy.parse(policy)
         if top_k is not None:
             self.overrides["top_k"] = top_k
+        if stop_at_eos is not None:
+            self.overrides["stop_at_eos"] = bool(stop_at_eos)
         if token_budget is not None:
             if token_budget < engine.spec_k + 1:
                 raise PromptError(f"token budget {token_budget} is smaller than one verify "

@@ -15,7 +15,7 @@ from .settings import Settings, artifact_name
 
 MARKER = "reproducible"
 MARKER_ARGS = ("prompts", "model", "draft", "schedules", "policy", "spec_k", "max_tokens", "top_k",
-               "token_budget", "dtype", "confirm")
+               "token_budget", "dtype", "stop_at_eos", "confirm")
 
 
 class ReproducibilityChecker:
