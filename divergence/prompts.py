@@ -30,7 +30,7 @@ DEMO = [
 
 
 def builtin_requests(encode, *, max_tokens: int | None = None) -> list[Request]:
-    return [_request(dict(d, max_tokens=max_tokens or d["max_tokens"]), encode, f"built-in {d['id']}")
+    return [request_from_dict(dict(d, max_tokens=max_tokens or d["max_tokens"]), encode, f"built-in {d['id']}")
             for d in DEMO]
 
 
@@ -59,7 +59,7 @@ def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request
         if max_tokens is not None and "max_tokens" not in d:
             d["max_tokens"] = max_tokens
         d.setdefault("id", f"r{len(out) + 1}")
-        req = _request(d, encode, where)
+        req = request_from_dict(d, encode, where)
         if req.id in seen:
             raise PromptError(f"{where}: duplicate request id {req.id!r}")
         seen.add(req.id)
@@ -69,7 +69,7 @@ def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request
     return out
 
 
-def _request(d: dict, encode, where: str) -> Request:
+def request_from_dict(d: dict, encode, where: str) -> Request:
     unknown = set(d) - KNOWN_KEYS
     if unknown:
         raise PromptError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(KNOWN_KEYS))})")

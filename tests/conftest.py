@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+pytest_plugins = ["pytester"]
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..engine.request import WARMUP_PREFIX
 from ..errors import TraceMismatchError
 
 IDENTICAL = "identical"
@@ -120,8 +121,8 @@ def check_comparable(a, b) -> None:
     if ma["model"].get("dtype") != mb["model"].get("dtype"):
         raise TraceMismatchError(f"traces ran the model in different dtypes: "
                                  f"{ma['model'].get('dtype')} vs {mb['model'].get('dtype')}")
-    ra = {r.id: r for r in a.requests}
-    rb = {r.id: r for r in b.requests}
+    ra = {r.id: r for r in compared_requests(a)}
+    rb = {r.id: r for r in compared_requests(b)}
     if set(ra) != set(rb):
         only = sorted(set(ra) ^ set(rb))
         raise TraceMismatchError(f"traces hold different requests (only in one: {', '.join(only[:5])})")
@@ -133,6 +134,11 @@ def check_comparable(a, b) -> None:
             raise TraceMismatchError(f"request {rid!r} has different sampling settings: {x.sampling} vs {y.sampling}")
         if x.max_tokens != y.max_tokens:
             raise TraceMismatchError(f"request {rid!r} has different max_tokens: {x.max_tokens} vs {y.max_tokens}")
+
+
+def compared_requests(trace) -> list:
+    """The user's requests: the warm schedule's warm-up requests are part of its schedule."""
+    return [r for r in trace.requests if not r.id.startswith(WARMUP_PREFIX)]
 
 
 def _candidate(topk_ids: np.ndarray, topk_logits: np.ndarray, token: int) -> Candidate:
@@ -194,7 +200,7 @@ def diff_traces(a, b) -> DiffReport:
     check_comparable(a, b)
     incomplete = [t.path for t in (a, b) if not t.completed]
     out = []
-    for req in a.requests:
+    for req in compared_requests(a):
         ta, tb = a.tokens(req.id), b.tokens(req.id)
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete))
         out.append(d)

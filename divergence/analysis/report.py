@@ -29,7 +29,7 @@ def _span(positions: list[int]) -> str:
 
 def composition_text(view: StepView) -> str:
     parts = [f"{c['request_id']} {c['phase']}[{c['start']}:{c['start'] + c['count']}]" for c in view.composition]
-    return f"{view.rows} rows = " + " + ".join(parts)
+    return f"{_rows(view.rows)} = " + " + ".join(parts)
 
 
 def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
@@ -63,6 +63,10 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
     return lines
 
 
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
 def _op(c: RootCause) -> str:
     return f" ({c.op})" if c.op else ""
 
@@ -71,14 +75,15 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
     if c.kind == CACHE_CONTAMINATION:
-        out.append(f"    root cause: {kind}, layer {c.layer}, positions {_span(c.positions)},")
+        word = "position" if len(c.positions) == 1 else "positions"
+        out.append(f"    root cause: {kind}, layer {c.layer}, {word} {_span(c.positions)}:")
         out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
-        out.append(f"      the same positions in {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
+        out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     elif c.kind == STEP_COMPUTE:
         where = f"layer {c.layer}, " if c.layer is not None else ""
         out.append(f"    root cause: {kind}, {where}the cache it read was identical;")
         out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
-        out.append(f"      {label_a} step {c.a.step}: {c.a.rows} rows, kernel {c.a.kernel}")
+        out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
     for rid, step in sorted(c.finished_before_divergence.items()):
@@ -114,7 +119,7 @@ def render_bisect(b: BisectReport, vocab=None) -> str:
         lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested)
     groups = [(k, v) for k, v in b.groups().items() if len(v) > 1]
     for (kind, step), ids in groups:
-        lines.append(f"shared root cause: {', '.join(sorted(ids))} all trace back to {d.label_b} step {step}")
+        lines.append(f"shared root cause: {', '.join(sorted(ids))} trace back to the same {d.label_b} step {step}")
     lines.append(_summary(d))
     return "\n".join(lines)
 

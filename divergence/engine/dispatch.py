@@ -6,64 +6,16 @@ forcing (replay), and emits a `KernelChoice` event for each decision.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
 
-from ..errors import PolicyError
 from . import kernels
 from .events import KernelChoice
-from .kernels import BATCH_INVARIANT, GEMM, GEMV, NATIVE, LinearOp
+from .kernels import LinearOp
+from .policy import BATCH_INVARIANT, GEMM, GEMV, KernelPolicy
 
-POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS"
-
-
-@dataclass(frozen=True)
-class KernelPolicy:
-    """`threshold` is None except for threshold:N (rows <= N -> gemv, else gemm);
-    `splits` pins gemm's split-K (gemm:S), which replay uses to reproduce a recorded gemm."""
-
-    name: str
-    threshold: int | None = None
-    splits: int | None = None
-
-    @classmethod
-    def parse(cls, text: "str | KernelPolicy") -> "KernelPolicy":
-        if isinstance(text, KernelPolicy):
-            return text
-        t = str(text).strip().lower()
-        if t in (NATIVE, BATCH_INVARIANT, GEMV, GEMM):
-            return cls(t)
-        if t.startswith("gemm:"):
-            n = _int_after_colon(t)
-            if n < 1:
-                raise PolicyError(f"bad kernel {text!r}: gemm:S needs an integer split count S >= 1")
-            return cls(GEMM, splits=n)
-        if t.startswith("threshold:"):
-            n = _int_after_colon(t)
-            if n < 1:
-                raise PolicyError(f"bad kernel policy {text!r}: threshold:N needs an integer N >= 1")
-            return cls("threshold", n)
-        raise PolicyError(f"unknown kernel policy {text!r} (expected {POLICY_HELP})")
-
-    def __str__(self) -> str:
-        if self.threshold is not None:
-            return f"threshold:{self.threshold}"
-        return f"gemm:{self.splits}" if self.splits else self.name
-
-    def kernel_for(self, rows: int) -> str:
-        if self.threshold is not None:
-            return GEMV if rows <= self.threshold else GEMM
-        return self.name
-
-
-def _int_after_colon(text: str) -> int:
-    try:
-        return int(text.split(":", 1)[1])
-    except ValueError:
-        return -1
-
+__all__ = ["KernelDispatcher", "KernelPolicy"]
 
 class KernelDispatcher:
     """Runs linear ops for one model under a policy; emits KernelChoice events."""

@@ -331,7 +331,7 @@ def _is_token_list(x) -> bool:
 def _requests(items, encode, max_tokens: int) -> list:
     __tracebackhide__ = True
     from ..engine.request import Request
-    from ..prompts import _request
+    from ..prompts import request_from_dict
 
     out = []
     for i, p in enumerate(items, 1):
@@ -340,7 +340,7 @@ def _requests(items, encode, max_tokens: int) -> list:
         if isinstance(p, Request):
             out.append(p)
         elif isinstance(p, dict):
-            out.append(_request({"id": rid, "max_tokens": max_tokens, **p}, encode, where))
+            out.append(request_from_dict({"id": rid, "max_tokens": max_tokens, **p}, encode, where))
         elif isinstance(p, str):
             if not p:
                 raise PromptError(f"{where} is an empty string")

@@ -7,7 +7,6 @@ from importlib.metadata import entry_points
 
 import pytest
 
-pytest_plugins = ["pytester"]
 
 # On the fixture model, threshold:1 makes r1 ("This module...") and r3 differ between
 # serial and concurrent within 24 tokens (at generated #5 and #20, whatever they are

@@ -77,7 +77,6 @@ def test_speculative_decoding_uses_the_fixture_draft(tmp_path):
         assert t.meta["settings"]["spec_k"] == 2 and t.meta["draft"]["path"].endswith("draft")
 
 
-@pytest.mark.xfail(strict=True, reason="analysis.diff.check_comparable counts the warm trace's warm-up requests")
 def test_three_schedules_compare_against_the_first():
     reports = assert_reproducible(None, DIVERGING[:2], schedules=("serial", "concurrent", "warm"),
                                   policy="batch-invariant", max_tokens=8)
