@@ -29,15 +29,16 @@ class BrowseApp(App):
     CSS_PATH = Path(__file__).with_name("browse.tcss")  # absolute: subclasses live elsewhere
     TITLE = "divergence browse"
     ENABLE_COMMAND_PALETTE = False
+    # o, / and esc are left out of the footer (the help lists every key): fewer footer widgets
     BINDINGS = [
         Binding("question_mark", "help", "help"),
-        Binding("o", "overview", "overview"),
+        Binding("o", "overview", "overview", show=False),
         Binding("t", "tokens", "tokens"),
         Binding("s", "steps", "steps"),
         Binding("k", "kv", "KV"),
         Binding("g", "goto", "go to"),
-        Binding("slash", "search", "search"),
-        Binding("escape", "back", "back"),
+        Binding("slash", "search", "search", show=False),
+        Binding("escape", "back", "back", show=False),
         Binding("q", "quit", "quit"),
     ]
 

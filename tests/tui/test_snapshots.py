@@ -54,6 +54,3 @@ def test_steps_at_the_root_cause(snap_compare, make_app, story_pair):
 def test_kv_grid(snap_compare, make_app, story_pair):
     assert snap_compare(make_app(*story_pair), terminal_size=SIZE, run_before=keys("k"))
 
-
-def test_one_trace_tokens(snap_compare, make_app, story_pair):
-    assert snap_compare(make_app(story_pair[0]), terminal_size=SIZE, run_before=keys("enter"))
