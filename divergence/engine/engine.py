@@ -391,24 +391,30 @@ class _Run:
         t0 = time.perf_counter()
         out = state.forward(plan, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
         greedy = smp.greedy_rows(out.logits)
-        mx.eval(out.logits, greedy, *state.cache.arrays())
+        extra = (out.k_written, out.v_written) if self.want_kv else ()
+        mx.eval(out.logits, greedy, *extra, *state.cache.arrays())
         self._last_duration = time.perf_counter() - t0
         if self.want_kv:
-            self._emit_kv(state, plan, out.kv_writes)
+            self._emit_kv(state, plan, out.k_written, out.v_written)
         logits_np = np.array(out.logits.astype(mx.float32))
         return out.logits, [int(t) for t in np.array(greedy)], logits_np
 
-    def _emit_kv(self, state: _ModelState, plan: StepPlan, writes) -> None:
+    def _emit_kv(self, state: _ModelState, plan: StepPlan, k: mx.array, v: mx.array) -> None:
         from ..trace.hashing import hash_rows
 
+        layers, rows = k.shape[0], k.shape[1]
+        kh = hash_rows(_raw_bytes(k.reshape(layers * rows, -1))).reshape(layers, rows)
+        vh = hash_rows(_raw_bytes(v.reshape(layers * rows, -1))).reshape(layers, rows)
         remember = state.blocks.prefix_caching
-        for rid, layer, start, k, v in writes:
-            kn, vn = _raw_bytes(k), _raw_bytes(v)
-            kh, vh = hash_rows(kn), hash_rows(vn)
-            self.e._emit("on_kv_write", KvWrite(plan.index, state.name, rid, layer, start, kn.shape[0], kh, vh))
-            if remember:
-                for i in range(kn.shape[0]):
-                    self.kv_live[(rid, layer, start + i)] = (plan.index, int(kh[i]), int(vh[i]))
+        for s in plan.slices:
+            r0, r1 = s.row_offset, s.row_offset + s.count
+            for layer in range(layers):
+                ks, vs = kh[layer, r0:r1], vh[layer, r0:r1]
+                self.e._emit("on_kv_write", KvWrite(plan.index, state.name, s.request_id, layer, s.start, s.count,
+                                                    ks, vs))
+                if remember:
+                    for i in range(s.count):
+                        self.kv_live[(s.request_id, layer, s.start + i)] = (plan.index, int(ks[i]), int(vs[i]))
 
     def _sample_one(self, seq: Sequence, logits_row: np.ndarray, greedy_tok: int, position: int) -> int:
         s = seq.request.sampling

@@ -35,8 +35,10 @@ class LayerOps:
 @dataclass
 class StepOutput:
     logits: mx.array  # [R, vocab] in the model dtype, R = total logit rows, slice order
-    # (request_id, layer, start, k [n, kv, hd], v [n, kv, hd]) of every write, when asked
-    kv_writes: list
+    # When asked: every K / V row the step wrote, [layers, T, kv_heads, head_dim] in
+    # slice order, so the engine converts and hashes them in one go (not per slice).
+    k_written: mx.array | None = None
+    v_written: mx.array | None = None
 
 
 class PackedForward:
@@ -88,13 +90,13 @@ class PackedForward:
             all_slots = blocks.slots(s.request_id, 0, s.start + s.count)
             write_slots.append(mx.array(all_slots[s.start :]))
             read_slots.append(mx.array(all_slots))
-        kv_writes = []
+        k_layers, v_layers = [], []
         h = self.inner.embed_tokens(tokens)
         for li, (layer, ops) in enumerate(zip(self.blocks, self.ops)):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
             q_all, k_all, v_all = dispatch(x, ops.q, li), dispatch(x, ops.k, li), dispatch(x, ops.v, li)
-            outs = []
+            outs, ks, vs = [], [], []
             for si, s in enumerate(plan.slices):
                 r0, n = s.row_offset, s.count
                 q = q_all[r0 : r0 + n].reshape(1, n, self.n_heads, -1)
@@ -108,7 +110,8 @@ class PackedForward:
                 v_rows = v[0]
                 cache.write(li, write_slots[si], k_rows, v_rows)
                 if keep_kv:
-                    kv_writes.append((s.request_id, li, s.start, k_rows, v_rows))
+                    ks.append(k_rows)
+                    vs.append(v_rows)
                 keys, values = cache.read(li, read_slots[si])
                 keys = keys.transpose(1, 0, 2)[None]
                 values = values.transpose(1, 0, 2)[None]
@@ -116,6 +119,9 @@ class PackedForward:
                     q, keys, values, scale=self.scale, mask="causal" if n > 1 else None
                 )
                 outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
+            if keep_kv:
+                k_layers.append(ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=0))
+                v_layers.append(vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=0))
             a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
             h = h + dispatch(a, ops.o, li)
             x = layer.post_attention_layernorm(h)
@@ -127,4 +133,6 @@ class PackedForward:
             logits = dispatch(self.inner.norm(hl), self.head, self.num_layers)
         else:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
-        return StepOutput(logits=logits, kv_writes=kv_writes)
+        if keep_kv:
+            return StepOutput(logits, mx.stack(k_layers), mx.stack(v_layers))
+        return StepOutput(logits)

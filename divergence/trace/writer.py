@@ -20,7 +20,7 @@ import numpy as np
 from ..engine.events import KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
 from . import schema as S
 
-FLUSH_SECONDS = 0.25
+FLUSH_SECONDS = 0.5
 FLUSH_STEPS = 256
 
 
