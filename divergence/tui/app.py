@@ -15,7 +15,7 @@ from textual.binding import Binding
 
 from ..errors import DivergenceInputError
 from .data import A, B, BrowseData
-from .messages import AnalysisReady, KernelsReady, OpenKv, OpenRequest, OpenStep
+from .messages import AnalysisReady, CountsReady, KernelsReady, OpenKv, OpenRequest, OpenStep
 from .screens.base import BrowseScreen
 from .screens.goto import PromptScreen
 from .screens.help import HelpScreen
@@ -54,14 +54,23 @@ class BrowseApp(App):
         return OverviewScreen()
 
     def on_mount(self) -> None:
-        if self.data.two and self._analyse:
+        if self._analyse:
             self.analyse()
 
     # -- workers --
     @work(thread=True, exclusive=True, group="analysis")
     def analyse(self) -> None:
-        self.data.analyse()
-        self.post_message(AnalysisReady(self.data.analysis_error))
+        """Count tokens (the overview's first paint doesn't wait for them), then diff and bisect."""
+        self.data.count_tokens()
+        self.post_message(CountsReady())
+        if self.data.two:
+            self.data.analyse()
+            self.post_message(AnalysisReady(self.data.analysis_error))
+
+    def on_counts_ready(self, message: CountsReady) -> None:
+        for screen in self.screen_stack:
+            if isinstance(screen, BrowseScreen):
+                screen.post_message(CountsReady())
 
     def on_analysis_ready(self, message: AnalysisReady) -> None:
         if message.error:

@@ -72,7 +72,7 @@ def span_text(positions) -> str:
 class RequestRow:
     id: str
     prompt_len: int
-    len_a: int
+    len_a: int | None  # None until the tokens are counted (count_tokens)
     len_b: int | None
     status: str  # identical | diverged | missing | "" (one trace) | "..." (not analysed yet)
     diff: RequestDiff | None = None
@@ -450,7 +450,9 @@ class BrowseData:
 
     # -- analysis (slow: run it in a worker) --
     def analyse(self) -> None:
-        """Diff and bisect the pair; results land in .diff / .bisect (or .analysis_error)."""
+        """Count the tokens, then diff and bisect the pair; results land in .diff / .bisect
+        (or .analysis_error)."""
+        self.count_tokens()
         if not self.two:
             return
         with self._lock:
@@ -476,22 +478,28 @@ class BrowseData:
         return self.bisect.causes.get(request_id) if self.bisect else None
 
     def request_rows(self) -> list[RequestRow]:
-        """One row per request; cheap (token counts only) until the analysis is in."""
-        counts = [self._token_counts(t) for t in self.traces]
+        """One row per request, from what has been read so far: nothing but the request list
+        until `count_tokens`, no status until `analyse`."""
+        counts = [self._counts.get(id(t)) for t in self.traces]
         rows = []
         for i, req in enumerate(self.traces[0].requests):
             d = self.request_diff(req.id)
             status = d.status if d else ("..." if self.two and not self.analysed else
                                          "only in A" if self.two and self.diff is not None else "")
-            rows.append(RequestRow(req.id, len(req.prompt_tokens), int(counts[0][i]),
-                                   int(counts[1][i]) if self.two else None, status, d, self.cause(req.id)))
+            n = [None if c is None or i >= len(c) else int(c[i]) for c in counts]
+            rows.append(RequestRow(req.id, len(req.prompt_tokens), n[0], n[1] if self.two else None, status, d,
+                                   self.cause(req.id)))
         return rows
 
-    def _token_counts(self, trace: Trace) -> np.ndarray:
-        key = id(trace)
-        if key not in self._counts:
-            self._counts[key] = np.array([len(trace.tokens(r.id).tokens) for r in trace.requests], np.int64)
-        return self._counts[key]
+    @property
+    def counted(self) -> bool:
+        return all(id(t) in self._counts for t in self.traces)
+
+    def count_tokens(self) -> None:
+        """Generated tokens per request (reads every token record: run it in a worker)."""
+        for t in self.traces:
+            if id(t) not in self._counts:
+                self._counts[id(t)] = np.array([len(t.tokens(r.id).tokens) for r in t.requests], np.int64)
 
     def report_lines(self, request_id: str) -> list[str]:
         """The bisect report's text for one request (the CLI's words)."""
@@ -537,9 +545,9 @@ class BrowseData:
 
     def totals(self) -> list[tuple[str, list[str]]]:
         rows = []
-        counts = [self._token_counts(t) for t in self.traces]
+        counts = [self._counts.get(id(t)) for t in self.traces]
         rows.append(("requests", [str(len(t.requests)) for t in self.traces]))
-        rows.append(("tokens", [str(int(c.sum())) for c in counts]))
+        rows.append(("tokens", ["…" if c is None else str(int(c.sum())) for c in counts]))
         rows.append(("steps", [str(t.num_steps) for t in self.traces]))
         rows.append(("max rows", [str(int(t.steps["rows"].max())) if t.num_steps else "0" for t in self.traces]))
         rows.append(("time", [f"{float(t.steps['duration'].sum()):.2f} s" for t in self.traces]))
@@ -667,9 +675,14 @@ class BrowseData:
 
     # -- KV --
     def kv_default_steps(self, request_id: str) -> tuple:
-        """The steps at which the divergent request read its cache (first numeric divergence), else the end."""
+        """The steps whose reads bisect compares: those that computed the first divergent token
+        (or, with no flip, the first differing logits); (None, None) = the end of the run."""
         d = self.request_diff(request_id)
-        n = d.first_numeric_divergence if d else None
+        if d is None:
+            return (None, None)
+        t, n = d.first_divergent_token, d.first_numeric_divergence
+        if t is not None:
+            return (t.step_a, t.step_b)
         return (n.step_a, n.step_b) if n is not None else (None, None)
 
     def kv_grid(self, request_id: str, at_steps: tuple = (None, None)) -> KvGrid:

@@ -45,6 +45,11 @@ class CellHighlighted(Message):
 
 
 @dataclass
+class CountsReady(Message, bubble=False):
+    """The worker counted every request's tokens."""
+
+
+@dataclass
 class AnalysisReady(Message, bubble=False):
     """The worker finished diff + bisect (results are on the app's BrowseData)."""
 

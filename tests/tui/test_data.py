@@ -94,8 +94,10 @@ def test_one_trace(story_pair):
     d = BrowseData.open(story_pair[0])
     try:
         assert not d.two and d.analysed
+        assert d.request_rows()[0].len_a is None  # not read before count_tokens
+        d.count_tokens()
         rows = d.request_rows()
-        assert [r.status for r in rows] == ["", "", ""] and rows[0].len_b is None
+        assert [r.status for r in rows] == ["", "", ""] and rows[0].len_a == 24 and rows[0].len_b is None
         al = d.tokens("r1")
         assert al.first_divergent is None and not al.differs.any()
         assert d.topk("r1", 0).sides[0].deltas == [None] * 4

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 
 from textual.screen import Screen
 
-from ..messages import AnalysisReady, KernelsReady
+from ..messages import AnalysisReady, CountsReady, KernelsReady
 
 if TYPE_CHECKING:
     from ..app import BrowseApp
@@ -41,8 +41,11 @@ class BrowseScreen(Screen):
     def on_analysis_ready(self, message: AnalysisReady) -> None:
         self.refresh_data()
 
+    def on_counts_ready(self, message: CountsReady) -> None:
+        self.refresh_data()
+
     def on_kernels_ready(self, message: KernelsReady) -> None:
         pass
 
     def refresh_data(self) -> None:
-        """The analysis (diff + bisect) arrived: redraw what depends on it."""
+        """Token counts or the analysis (diff + bisect) arrived: redraw what depends on them."""

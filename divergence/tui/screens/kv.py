@@ -102,7 +102,7 @@ class KvScreen(BrowseScreen):
         if g.at_steps == (None, None):
             t.append(" · live writes at the end of the run")
         else:
-            t.append(" · as read at the first numeric divergence ("
+            t.append(" · as read by the divergent step ("
                      + ", ".join(f"{'AB'[s]} step {g.at_steps[s]}" for s in d.sides) + ")", style="yellow")
         if g.two:
             t.append(f" · {g.num_differ} of {int((g.step >= 0).all(axis=0).sum())} cells differ",

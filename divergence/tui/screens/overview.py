@@ -43,7 +43,6 @@ class OverviewScreen(BrowseScreen):
         d = self.data
         labels = [d.label(s) for s in d.sides]
         self.query_one("#meta", MetaPanel).show(d.meta_rows(), labels)
-        self.query_one("#totals", MetaPanel).show(d.totals(), ["AB"[s] for s in d.sides])
         self.refresh_data()
         self.query_one("#requests", VirtualTable).focus()
 
@@ -56,6 +55,8 @@ class OverviewScreen(BrowseScreen):
                 Column("finished", 8, "right"), Column("text", 0)]
 
     def refresh_data(self) -> None:
+        d = self.data
+        self.query_one("#totals", MetaPanel).show(d.totals(), ["AB"[s] for s in d.sides])
         table = self.query_one("#requests", VirtualTable)
         self.rows = self.data.request_rows()
         current = self.browser.current_request
@@ -65,15 +66,19 @@ class OverviewScreen(BrowseScreen):
 
     def _render_row(self, i: int):
         r = self.rows[i]
+        n_a = "…" if r.len_a is None else str(r.len_a)
         if not self.data.two:
+            if r.len_a is None:  # not read yet
+                return [r.id, str(r.prompt_len), n_a, "", ""], None
             fin = self.data.trace(0).finish_step(r.id)
             text = self.data.decoded(r.id, 0, 0, 80).replace("\n", "⏎")
-            return [r.id, str(r.prompt_len), str(r.len_a), "" if fin is None else str(fin), text], None
+            return [r.id, str(r.prompt_len), n_a, "" if fin is None else str(fin), text], None
         text = r.status_text()
         status = Text(text, style="bold red" if r.diverged else "dim" if r.status == "..." else
                       "yellow" if "logits differ" in text else "green")
         co = ", ".join(r.cause.co_batched_b) if r.cause else ""
-        return ([r.id, str(r.prompt_len), str(r.len_a), str(r.len_b), status, r.numeric_text(),
+        n_b = "…" if r.len_b is None else str(r.len_b)
+        return ([r.id, str(r.prompt_len), n_a, n_b, status, r.numeric_text(),
                  Text(r.cause_text(), style="red" if r.cause else ""), co], "bold" if r.diverged else None)
 
     @on(RowHighlighted, "#requests")
