@@ -37,11 +37,13 @@ class SweepResult:
     batch_sizes: list[int] = field(default_factory=list)
     reference_tokens: list[int] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)  # text of each distinct completion, by count
+    diverge_at: list = field(default_factory=list)  # per completion: first generated index differing from alone
+    tails: list[str] = field(default_factory=list)  # per completion: its text from just before that index
 
     def to_json(self) -> dict:
         return {"prompt": self.prompt, "runs": self.runs, "policy": self.policy, "unique_completions": self.unique,
                 "counts": self.counts, "first_difference": {str(k): v for k, v in sorted(self.first_difference.items())},
-                "batch_sizes": self.batch_sizes, "completions": self.completions}
+                "batch_sizes": self.batch_sizes, "completions": self.completions, "diverge_at": self.diverge_at}
 
 
 def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens: int = 48, seed: int = 0,
@@ -73,11 +75,19 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
         key = tuple(out.tokens)
         seen[key] += 1
         texts[key] = out.text
-        if list(key) != list(alone):
-            k = next((n for n, (x, y) in enumerate(zip(key, alone)) if x != y), min(len(key), len(alone)))
+        k = _first_diff(key, alone)
+        if k is not None:
             first_diff[k] += 1
         if progress:
             progress(i + 1, runs)
     ranked = seen.most_common()
+    at = [_first_diff(k, alone) for k, _ in ranked]
+    tails = [engine.decode(list(k)[max(0, (i or 0) - 4):]) for (k, _), i in zip(ranked, at)]
     return SweepResult(prompt, runs, str(engine.policy), len(seen), [c for _, c in ranked], dict(first_diff), sizes,
-                       list(alone), [texts[k] for k, _ in ranked])
+                       list(alone), [texts[k] for k, _ in ranked], at, tails)
+
+
+def _first_diff(tokens, alone) -> int | None:
+    if list(tokens) == list(alone):
+        return None
+    return next((n for n, (x, y) in enumerate(zip(tokens, alone)) if x != y), min(len(tokens), len(alone)))

@@ -45,8 +45,9 @@ def main(args) -> int:
     print("\r", end="", file=sys.stderr)
     print(f"{r.runs} runs of {r.prompt!r} under {r.policy}, batches of 1..{args.max_batch}: "
           f"{r.unique} unique completion{'s' if r.unique != 1 else ''}")
-    for count, text in zip(r.counts, r.completions):
-        print(f"  {count:>4} x {text[:70]!r}")
+    for count, at, tail in zip(r.counts, r.diverge_at, r.tails):
+        where = "same as the needle alone" if at is None else f"from generated #{at}: ...{tail[:60]!r}"
+        print(f"  {count:>4} x  {where}")
     if r.first_difference:
         where = ", ".join(f"#{k}: {v}" for k, v in sorted(r.first_difference.items()))
         print(f"  first differs from the needle run alone at generated token {where}")
