@@ -147,9 +147,12 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
         pos, step_a_div, step_b_div = num.position, num.step_a, num.step_b
     ka = _cells(a.live_kv(d.id, model="target", at_step=step_a_div), pos)
     kb = _cells(b.live_kv(d.id, model="target", at_step=step_b_div), pos)
-    common = np.intersect1d(ka["key"], kb["key"])
-    ia = np.searchsorted(ka["key"], common)
-    ib = np.searchsorted(kb["key"], common)
+    # Both key arrays are sorted and unique: intersect by binary search (np.intersect1d
+    # hashes, ~10x slower on a million cells).
+    ib_all = np.searchsorted(kb["key"], ka["key"])
+    hit = ib_all < len(kb["key"])
+    hit[hit] = kb["key"][ib_all[hit]] == ka["key"][hit]
+    ia, ib = np.flatnonzero(hit), ib_all[hit]
     differ = (ka["k"][ia] != kb["k"][ib]) | (ka["v"][ia] != kb["v"][ib])
     if not differ.any():
         # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
