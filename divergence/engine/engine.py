@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -39,41 +38,11 @@ from .kv_cache import BlockManager
 from .model import LoadedModel
 from .request import WARMUP_PREFIX, Request, Sequence
 from .scheduler import CONCURRENT, SCHEDULES, SERIAL, WARM, Scheduler, Work
+from .environment import environment
+from .results import RequestOutput, RunResult
 from .speculative import Proposal, accept_greedy, accept_sampled
 
-
-@dataclass
-class RequestOutput:
-    id: str
-    prompt_tokens: list[int]
-    tokens: list[int]  # generated tokens
-    text: str
-    finish_reason: str
-    error: str = ""
-    topk_ids: list = field(default_factory=list)  # per generated token, np.int32 [k]
-    topk_logits: list = field(default_factory=list)  # per generated token, np.float32 [k]
-    proposed: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
-
-
-@dataclass
-class RunResult:
-    schedule: str
-    policy: str
-    outputs: dict[str, RequestOutput]
-    steps: int  # forward passes (target + draft)
-    target_steps: int
-    seconds: float
-    blocks_in_use: int = 0  # KV blocks still held after the run (target + draft): 0, or a leak
-    prefix_hits: int = 0  # prompt tokens served from the prefix cache
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(o.tokens) for o in self.outputs.values())
+__all__ = ["Engine", "RequestOutput", "RunResult", "environment"]
 
 
 class _ModelState:
@@ -455,28 +424,3 @@ def _raw_bytes(a: mx.array) -> np.ndarray:
     """[n, ...] array -> numpy rows holding the exact stored bytes (bf16 included)."""
     width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
     return np.array(a.view(width)).reshape(a.shape[0], -1)
-
-
-def environment() -> dict:
-    import platform
-
-    import mlx
-    from .. import __version__
-    from ..blas import blas_in_use
-
-    try:
-        import mlx_lm
-
-        mlx_lm_version = mlx_lm.__version__
-    except Exception:  # pragma: no cover
-        mlx_lm_version = "unknown"
-    return {
-        "divergence": __version__,
-        "mlx": getattr(mlx.core, "__version__", "unknown"),
-        "mlx_lm": mlx_lm_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
-        "device": str(mx.default_device()),
-        "blas": blas_in_use(),
-    }

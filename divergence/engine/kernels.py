@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .policy import BATCH_INVARIANT, GEMM, GEMV, KERNELS, NATIVE  # noqa: F401  (re-exported names)
 
 GEMM_TILE = 64  # output tile edge used by the split-K heuristic
 GEMM_TARGET_TILES = 32  # split K until about this many (tile x split) work items
