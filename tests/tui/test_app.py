@@ -41,7 +41,8 @@ async def test_from_overview_to_the_root_cause(app, story_pair):
         assert app.current_request == "r2"
         await pilot.press("d")
         assert app.current_request == "r1"
-        assert "root cause: cache contamination, layer 0, positions 8" in text_of(ov.query_one("#request-detail"))
+        detail = text_of(ov.query_one("#request-detail"))
+        assert "root cause: cache contamination, layer 0" in detail and "concurrent step 3" in detail
 
         # enter: the token view opens on the first divergent token
         await pilot.press("enter")
