@@ -198,19 +198,32 @@ def _finish_step(trace, rid: str) -> int | None:
     return fs
 
 
-def bisect_traces(a, b, *, confirm: bool = False, replayer=None) -> BisectReport:
+def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
-    replays B with the root-cause step forced to A's kernels (see analysis.replay)."""
+    replays B with the root-cause step forced to A's kernels (see analysis.replay).
+    Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays):
+    a binary search over steps by replay (analysis.replay.make_replay_bisector)."""
     d = diff_traces(a, b)
     causes: dict[str, RootCause] = {}
+    hashed = a.has_kv_hashes and b.has_kv_hashes
     mode = "kv-hashes"
+    replays = 0
     for rd in d.requests:
         if rd.status != DIVERGED or (rd.first_divergent_token is None and rd.first_numeric_divergence is None):
             continue
-        cause = find_root_cause(a, b, rd)
+        if hashed:
+            cause = find_root_cause(a, b, rd)
+        elif replay_bisector is not None:
+            cause, n = replay_bisector(rd)
+            replays += n
+        else:
+            cause = None
         if cause is not None:
             causes[rd.id] = cause
-    if confirm and replayer is not None:
+    if not hashed:
+        mode = (f"replay bisection: the traces have no KV hashes, so steps were bisected by replay "
+                f"({replays} replays)") if replay_bisector is not None else "none: no KV hashes and no replay"
+    if confirm and replayer is not None and hashed:
         for rid, cause in causes.items():
             cause.confirmed, cause.confirm_detail = replayer(cause, next(r for r in d.requests if r.id == rid))
-    return BisectReport(d, causes, mode, confirm)
+    return BisectReport(d, causes, mode, confirm or not hashed)

@@ -256,3 +256,70 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
 
     return confirm
+
+
+def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
+    """For traces recorded without KV hashes: binary search over B's steps.
+
+    f(m) = "replaying B with its target steps < m (those holding the request) run on
+    the kernels of A's step that computed the same positions makes the request match
+    A up to the flip". The smallest m with f(m) true names the latest step that had
+    to be forced: O(log steps) replays, each one a proof rather than a correlation.
+    """
+    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, _co_batched, _finish_step, _views, step_kernels
+
+    def a_step_for(rid: str, until: int) -> dict[int, int]:
+        """position -> A's target step that last computed it (up to `until`)."""
+        out: dict[int, int] = {}
+        for p in a.iter_plans():
+            if p.index > until or p.model != "target":
+                continue
+            for s in p.slices:
+                if s.request_id == rid:
+                    for pos in range(s.start, s.start + s.count):
+                        out[pos] = p.index
+        return out
+
+    def bisect_one(rd):
+        tok = rd.first_divergent_token
+        if tok is None:
+            return None, 0
+        a_of = a_step_for(rd.id, tok.step_a)
+        b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= tok.step_b
+                   for s in p.slices if s.request_id == rd.id and s.start in a_of]
+        n = tok.generated_index + 1
+        want = [int(t) for t in a.tokens(rd.id).tokens[:n]]
+        replays = 0
+
+        def fixed(k: int) -> bool:  # force the first k of b_steps
+            nonlocal replays
+            replays += 1
+            forced = {sb: _as_a(step_kernels(a, a_of[start])) for sb, start in b_steps[:k]}
+            return list(replayer.run(b, forced=forced).outputs[rd.id].tokens[:n]) == want
+
+        if not b_steps or not fixed(len(b_steps)):
+            return None, replays
+        lo, hi = 0, len(b_steps)  # fixed(hi) holds; find the smallest such k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fixed(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return None, replays
+        step_b, start = b_steps[lo - 1]
+        step_a = a_of[start]
+        va, vb, op = _views(a, b, step_a, step_b)
+        kind = STEP_COMPUTE if step_b == tok.step_b else CACHE_CONTAMINATION
+        sl = next(s for s in b.step_plan(step_b).slices if s.request_id == rd.id)
+        co = _co_batched(b, step_b, rd.id)
+        finished = {r: fs for r in co if (fs := _finish_step(b, r)) is not None and fs < tok.step_b}
+        cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co, finished, op=op)
+        cause.confirmed = True
+        cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} on {label_a}'s kernels makes "
+                                f"{rd.id} match {label_a} up to the divergence, and without step {step_b} it does not "
+                                f"({replays} replays)")
+        return cause, replays
+
+    return bisect_one

@@ -76,7 +76,8 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     out = []
     if c.kind == CACHE_CONTAMINATION:
         word = "position" if len(c.positions) == 1 else "positions"
-        out.append(f"    root cause: {kind}, layer {c.layer}, {word} {_span(c.positions)}:")
+        layer = f"layer {c.layer}, " if c.layer is not None else ""
+        out.append(f"    root cause: {kind}, {layer}{word} {_span(c.positions)}:")
         out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
         out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     elif c.kind == STEP_COMPUTE:

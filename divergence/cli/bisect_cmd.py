@@ -21,13 +21,15 @@ def main(args) -> int:
 
     a, b = open_pair(args.a, args.b)
     with a, b:
-        replayer = None
-        if args.confirm:
-            from ..analysis.replay import Replayer, make_confirmer
+        replayer = bisector = None
+        labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
+        if args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
+            from ..analysis.replay import Replayer, make_confirmer, make_replay_bisector
 
-            replayer = make_confirmer(a, b, Replayer(model_dir=args.model, draft_dir=args.draft),
-                                      a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
-        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer)
+            engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
+            replayer = make_confirmer(a, b, engine_replayer, *labels)
+            bisector = make_replay_bisector(a, b, engine_replayer, *labels)
+        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector)
         if args.json:
             emit_json(report.to_json())
         else:

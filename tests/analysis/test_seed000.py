@@ -81,3 +81,17 @@ def test_diff_identical_traces_exit_0(demo, capsys):
     p = str(demo / "serial.h5")
     assert main(["diff", p, p]) == 0
     assert "identical: 4 of 4" in capsys.readouterr().out
+
+
+def test_without_kv_hashes_bisect_falls_back_to_replay_bisection(tmp_path, capsys):
+    out = tmp_path / "nohash"
+    assert main(["run", "--out", str(out), "--no-kv-hashes", "--json"]) == 0
+    capsys.readouterr()
+    rc = main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and report["mode"].startswith("replay bisection")
+    r1 = next(r for r in report["requests"] if r["id"] == "r1")
+    cause = r1["root_cause"]
+    assert cause["kind"] == "cache_contamination" and cause["co_batched_b"] == ["r2"]
+    assert cause["kernel_b"].startswith("gemm") and cause["kernel_a"] == "gemv"
+    assert r1["confirmed"] is True
