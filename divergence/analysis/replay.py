@@ -181,11 +181,26 @@ def policy_for_label(label: str) -> str:
     return label.replace("gemm/", "gemm:")
 
 
-def _as_a(a_step_kernels: dict) -> dict:
-    """Force a B step to run every op with the kernel A's step used for it."""
-    from ..engine.dispatch import KernelPolicy
+def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
+    """Force a B step to run every op with the kernel A's step used for it. A `native`
+    op that A ran on one row is forced to `gemv` (the native op one row at a time): on
+    a backend whose native kernel depends on the row count, that is A's kernel."""
+    from ..engine.policy import KernelPolicy
 
-    return {op: KernelPolicy.parse(policy_for_label(lbl)) for op, lbl in a_step_kernels.items()}
+    out = {}
+    for op, lbl in a_step_kernels.items():
+        if lbl == "native" and a_rows is not None and a_rows.get(op) == 1:
+            lbl = "gemv"
+        out[op] = KernelPolicy.parse(policy_for_label(lbl))
+    return out
+
+
+def _rows_per_op(trace, step: int) -> dict:
+    ks = trace.kernels(step=step)
+    out: dict = {}
+    for op, rows in zip(ks["op"], ks["rows"]):
+        out.setdefault(str(op), int(rows))
+    return out
 
 
 def _suspect_steps(a, b, rid: str, tok, num) -> dict[int, int]:
@@ -205,7 +220,9 @@ def _suspect_steps(a, b, rid: str, tok, num) -> dict[int, int]:
     for l, p, s in zip(lb["layer"], lb["position"], lb["step"]):
         if p < tok.position and (int(l), int(p)) in a_step:
             pairs.setdefault(int(s), a_step[(int(l), int(p))])
-    return {sb: sa for sb, sa in sorted(pairs.items()) if step_kernels(a, sa) != step_kernels(b, sb)}
+    # native labels hide row-count classes: a native step whose rows differ is a suspect too
+    return {sb: sa for sb, sa in sorted(pairs.items())
+            if step_kernels(a, sa) != step_kernels(b, sb) or _rows_per_op(a, sa) != _rows_per_op(b, sb)}
 
 
 def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
@@ -233,7 +250,7 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
             return None, "a sampler cause has no kernel to force"
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         n = (tok.generated_index + 1) if tok is not None else rd.compared
-        forced = {cause.b.step: _as_a(step_kernels(a, cause.a.step))}
+        forced = {cause.b.step: _as_a(step_kernels(a, cause.a.step), _rows_per_op(a, cause.a.step))}
         same, bitwise, first = matches(rd.id, forced, n)
         what = f"replaying {label_b} with step {cause.b.step} run on {label_a}'s kernels"
         exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
@@ -242,7 +259,7 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         pairs = _suspect_steps(a, b, rd.id, tok, num)
         pairs[cause.b.step] = cause.a.step
         if len(pairs) > 1:
-            forced = {sb: _as_a(step_kernels(a, sa)) for sb, sa in pairs.items()}
+            forced = {sb: _as_a(step_kernels(a, sa), _rows_per_op(a, sa)) for sb, sa in pairs.items()}
             same2, bitwise2, first2 = matches(rd.id, forced, n)
             ordered = sorted(pairs)
             steps = ", ".join(map(str, ordered[:6])) + (f" and {len(ordered) - 6} more" if len(ordered) > 6 else "")
@@ -294,7 +311,7 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
         def fixed(k: int) -> bool:  # force the first k of b_steps
             nonlocal replays
             replays += 1
-            forced = {sb: _as_a(step_kernels(a, a_of[start])) for sb, start in b_steps[:k]}
+            forced = {sb: _as_a(step_kernels(a, a_of[start]), _rows_per_op(a, a_of[start])) for sb, start in b_steps[:k]}
             return list(replayer.run(b, forced=forced).outputs[rd.id].tokens[:n]) == want
 
         if not b_steps or not fixed(len(b_steps)):

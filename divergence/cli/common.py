@@ -44,6 +44,11 @@ def add_model_args(p, *, draft: bool = True) -> None:
 
 
 def default_model_dirs():
-    from ..fixtures import DRAFT, TARGET
-
+    """The embedded fixture models: the installed package, or the repo's fixtures/
+    folder when running from a source tree on PYTHONPATH (no install)."""
+    try:
+        from ..fixtures import DRAFT, TARGET
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[2] / "fixtures"
+        TARGET, DRAFT = root / "target", root / "draft"
     return TARGET, DRAFT

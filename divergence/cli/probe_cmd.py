@@ -25,7 +25,8 @@ def main(args) -> int:
         emit_json(result)
         return 0
     env = result["environment"]
-    print(f"{result['model']}  ({env['device']}, MLX {env['mlx']}, BLAS: {env['blas']})")
+    blas = f", BLAS: {env['blas']}" if env.get("backend") == "cpu" else ""  # the GPU's matmuls don't use it
+    print(f"{result['model']}  ({env['device']}, MLX {env['mlx']}{blas})")
     w = max(len(f"{o['op']} {o['shape']} {o['dtype']}") for o in result["ops"])
     for o in result["ops"]:
         name = f"{o['op']} {o['shape']} {o['dtype']}"
