@@ -198,29 +198,26 @@ class Trace:
 
     @cached_property
     def codes(self) -> dict[str, tuple[str, ...]]:
-        """Code tables as stored: {"table/column": names}."""
+        """Code tables as stored: {"table/field": names}; a code is an index into names."""
         out = {}
         for t in S.TABLES:
+            attrs = self.f[t.path].attrs
             for c in t.columns:
                 if c.codes is not None:
-                    names = self.f[t.path][c.name].attrs.get("codes")
+                    names = attrs.get(f"codes:{c.name}")
                     out[f"{t.path}/{c.name}"] = tuple(str(x) for x in names) if names is not None else c.codes
         return out
 
     # -- tables --------------------------------------------------------------------------
     def _table(self, name: str) -> dict[str, np.ndarray]:
-        """Committed rows of one table, every column (cached)."""
+        """Committed records of one table as {field: contiguous array} (cached)."""
         cache = self.__dict__.setdefault("_tables", {})
         if name not in cache:
-            g = self.f[name]
-            n = self._status.get(name, 0)
-            cols = {}
-            for c in S.TABLE[name].columns:
-                d = g[c.name]
-                d.id.refresh()
-                cols[c.name] = d[: min(n, d.shape[0])]
-            m = min((len(v) for v in cols.values()), default=0)
-            cache[name] = {k: v[:m] for k, v in cols.items()}
+            d = self.f[name]
+            d.id.refresh()
+            records = d[: min(self._status.get(name, 0), d.shape[0])]
+            fields = S.TABLE[name].names
+            cache[name] = {k: np.ascontiguousarray(records[k]) for k in fields if k in records.dtype.names}
         return cache[name]
 
     @property

@@ -1,9 +1,10 @@
 """The trace format in one place: every path, dtype, code table and the version.
 
-docs/trace-format.md is the prose for this module. A table is an HDF5 group of
-equal-length column datasets ([n], or [n, top_k]). Readers refuse a newer
-SCHEMA_VERSION; additive changes (a new table or column that old readers can
-ignore) bump SCHEMA_MINOR only.
+docs/trace-format.md is the prose for this module. A table is one HDF5 dataset
+of compound records (one field per column; the top-k columns are [top_k]
+subarrays): one write per table per flush, since every HDF5 call costs ~0.1 ms.
+Readers refuse a newer SCHEMA_VERSION; additive changes (a new table, or a new
+field that old readers can ignore) bump SCHEMA_MINOR only.
 """
 from __future__ import annotations
 
@@ -48,6 +49,10 @@ class Table:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.columns)
+
+    def dtype(self, top_k: int) -> np.dtype:
+        """The record type; wide columns are [top_k] subarrays."""
+        return np.dtype([(c.name, c.dtype, (top_k,)) if c.wide else (c.name, c.dtype) for c in self.columns])
 
 
 C = Column
@@ -144,6 +149,9 @@ STATUS_FIELDS = ("completed",) + tuple(t.path for t in TABLES)
 REQUESTS = "requests"  # id (str), prompt_offsets, prompt_tokens, arrival, max_tokens, temperature, top_p, seed
 META = "meta"  # attrs: settings, model, draft, environment as JSON strings
 VOCAB = "vocab"  # bytes (uint8), offsets (int64 [vocab+1]): token i's text decoded alone
+
+# Attributes of a table dataset: description, fields (names, in order), and per
+# field "field:<name>" (its description), "units:<name>", "codes:<name>".
 
 # Streaming chunks hold about this many bytes, uncompressed; a completed trace is
 # rewritten compressed with chunks fitted to the data.

@@ -1,16 +1,17 @@
 """Streams engine events into an HDF5 trace (h5py, SWMR).
 
-Every dataset is created at run start (chunked, resizable), then the file switches
-to SWMR mode. Events are buffered per step; `on_step` closes the step and hands
-it to the pending batch, which is written at least every `flush_seconds` (by
-`on_step`, or by a small timer thread when the engine is inside a long step).
-A batch is committed in two flushes: the data, then the row counts in /status,
-so a reader (live, or after a SIGKILL) sees whole steps only.
+Every dataset is created at run start (chunked, resizable), then the file
+switches to SWMR mode. Events are buffered per step; `on_step` closes the step
+and hands it to the pending batch, which is written at least every
+`flush_seconds` (by `on_step`, or by a small timer thread while the engine is
+inside a long step). A batch is committed in two flushes: the records, then
+their counts in /status, so a reader (live, or after a SIGKILL) sees whole
+steps only.
 
 While streaming, chunks are stored uncompressed: SWMR rewrites a growing
 compressed chunk at a new place on every flush and never reuses the old space
-(measured: 92 MB for 1 MB of data). A completed run is rewritten once, compressed,
-into a temporary file that then replaces the streamed one.
+(measured: 92 MB for 1 MB of data). A completed run is rewritten once,
+compressed, into a temporary file that then replaces the streamed one.
 """
 from __future__ import annotations
 
@@ -40,55 +41,73 @@ def _codes(names: tuple) -> dict[str, int]:
 
 
 class _Buffer:
-    """Rows of one table waiting to be written: scalar rows as tuples (cheap per
-    event), arrays as chunks (bulk and array-valued columns), in order."""
+    """Records of one table waiting to be written, in order: closed `segments`
+    (structured arrays), then an open part: scalar fields as row tuples (cheap per
+    event) and array fields as chunks."""
 
-    def __init__(self, table: S.Table, row_cols: tuple[str, ...]):
+    def __init__(self, table: S.Table, dtype: np.dtype, row_fields: tuple[str, ...]):
         self.table = table
-        self.row_cols = row_cols
-        self.row_dtype = np.dtype([(c.name, c.dtype) for c in table.columns if c.name in row_cols])
+        self.dtype = dtype
+        self.row_fields = row_fields
+        self.row_dtype = np.dtype([(n, dtype.fields[n][0]) for n in row_fields])
+        self.chunk_fields = tuple(n for n in dtype.names if n not in row_fields)
+        self.segments: list[np.ndarray] = []
         self.rows: list[tuple] = []
-        self.chunks: dict[str, list] = {c.name: [] for c in table.columns}
+        self.chunks: dict[str, list] = {n: [] for n in self.chunk_fields}
 
-    def _materialize(self) -> None:
+    def _close_open(self) -> None:
+        lens = set()
+        if self.row_fields and self.rows:
+            lens.add(len(self.rows))
+        cols = {}
+        for n in self.chunk_fields:
+            if self.chunks[n]:
+                cols[n] = np.concatenate(self.chunks[n])
+                lens.add(len(cols[n]))
+                self.chunks[n] = []
+        if not lens:
+            return
+        if len(lens) != 1 or (self.row_fields and not self.rows) or len(cols) != len(self.chunk_fields):
+            raise ValueError(f"trace writer: fields of {self.table.path} have different lengths")
+        a = np.empty(lens.pop(), self.dtype)
         if self.rows:
-            a = np.array(self.rows, dtype=self.row_dtype)
-            for c in self.row_cols:
-                self.chunks[c].append(a[c])
+            r = np.array(self.rows, dtype=self.row_dtype)
+            for n in self.row_fields:
+                a[n] = r[n]
             self.rows = []
+        for n, v in cols.items():
+            a[n] = v
+        self.segments.append(a)
 
-    def add_arrays(self, cols: dict) -> None:
-        self._materialize()
-        for name, v in cols.items():
-            self.chunks[name].append(v)
+    def add_records(self, records: np.ndarray) -> None:
+        self._close_open()
+        self.segments.append(records)
 
     def move_to(self, other: "_Buffer") -> None:
-        # Event rows and event chunks fill disjoint columns, and add_arrays
-        # materializes first, so extending each list keeps every column in order.
+        # Appending our open part to the other's open part keeps the order: it
+        # follows the other's segments, and our segments are closed first.
+        if self.segments:
+            other._close_open()
+            other.segments.extend(self.segments)
+            self.segments = []
         other.rows.extend(self.rows)
         self.rows = []
-        for name, ch in self.chunks.items():
-            if ch:
-                other.chunks[name].extend(ch)
-                self.chunks[name] = []
+        for n in self.chunk_fields:
+            if self.chunks[n]:
+                other.chunks[n].extend(self.chunks[n])
+                self.chunks[n] = []
 
-    def take(self) -> dict[str, np.ndarray] | None:
-        self._materialize()
-        if not any(self.chunks.values()):
+    def take(self) -> np.ndarray | None:
+        self._close_open()
+        if not self.segments:
             return None
-        out = {}
-        for c in self.table.columns:
-            ch = self.chunks[c.name]
-            out[c.name] = np.concatenate(ch).astype(c.dtype, copy=False) if ch else None
-            self.chunks[c.name] = []
-        lens = {len(v) for v in out.values() if v is not None}
-        if len(lens) != 1 or any(v is None for v in out.values()):
-            raise ValueError(f"trace writer: columns of {self.table.path} have different lengths")
+        out = self.segments[0] if len(self.segments) == 1 else np.concatenate(self.segments)
+        self.segments = []
         return out
 
 
-# Columns filled per event as tuples; the others come as arrays.
-_ROW_COLS = {
+# Fields filled per event as row tuples; the others come as array chunks.
+_ROW_FIELDS = {
     "steps": S.STEPS.names,
     "slices": S.SLICES.names,
     "kernels": S.KERNELS_T.names,
@@ -98,8 +117,25 @@ _ROW_COLS = {
 }
 
 
-def _buffers() -> dict[str, _Buffer]:
-    return {t.path: _Buffer(t, _ROW_COLS.get(t.path, ())) for t in S.TABLES}
+class _Sink:
+    """One table's dataset while streaming: cached handles, capacity grown ahead in
+    whole chunks (set_extent is rare), records written with one low-level call."""
+
+    def __init__(self, d: h5py.Dataset):
+        self.id = d.id
+        self.mtype = h5py.h5t.py_create(d.dtype)
+        self.chunk = d.chunks[0]
+        self.cap = d.shape[0]
+        self.space = self.id.get_space()
+
+    def write(self, n0: int, records: np.ndarray) -> None:
+        n = len(records)
+        if n0 + n > self.cap:
+            self.cap = -(-(n0 + n) // self.chunk) * self.chunk + 3 * self.chunk
+            self.id.set_extent((self.cap,))
+            self.space = self.id.get_space()
+        self.space.select_hyperslab((n0,), (n,))
+        self.id.write(h5py.h5s.create_simple((n,)), self.space, np.ascontiguousarray(records), mtype=self.mtype)
 
 
 class TraceWriter(Observer):
@@ -111,9 +147,9 @@ class TraceWriter(Observer):
 
     top_k: logits kept per token (best first). kv_hashes: ask the engine for the
     per-position KV hashes. flush_seconds: how long a closed step may wait in
-    memory (0: written by on_step itself). compact: rewrite a completed trace
-    compressed. A run that does not end with on_run_end(True) (an exception in the
-    `with` block, a kill) leaves a readable trace marked completed=False.
+    memory (0: on_step writes it). compact: rewrite a completed trace compressed.
+    A run that does not end with on_run_end(True) (an exception in the `with`
+    block, a kill) leaves a readable trace marked completed=False.
     """
 
     wants_kernels = True
@@ -129,21 +165,26 @@ class TraceWriter(Observer):
         self.flush_seconds = float(flush_seconds)
         self.compact = compact
         self.f: h5py.File | None = None
-        self._cur = _buffers()  # the step in progress (engine thread only)
-        self._pending = _buffers()  # closed steps, not yet written (under _lock)
+        self._dtypes = {t.path: t.dtype(self.top_k) for t in S.TABLES}
+        self._cur = self._buffers()  # the step in progress (engine thread only)
+        self._pending = self._buffers()  # closed steps, not yet written (under _lock)
         self._pending_since: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._timer: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._rows = {t.path: 0 for t in S.TABLES}  # rows handed to buffers so far, per table
-        self._written = dict(self._rows)  # rows written and committed, per table
+        self._rows = {t.path: 0 for t in S.TABLES}  # records handed to buffers so far, per table
+        self._written = dict(self._rows)  # records written and committed, per table
+        self._sinks: dict[str, _Sink] = {}
         self._req: dict[str, int] = {}
         self._model, self._phase = _codes(S.MODELS), _codes(S.PHASES)
         self._op, self._kernel, self._kind = _codes(S.OPS), _codes(S.KERNELS), _codes(S.REQUEST_EVENTS)
         self._last_flush = 0.0
-        self._closed = False
+        self._started = False
         self._legacy: dict = {}
+
+    def _buffers(self) -> dict[str, _Buffer]:
+        return {t.path: _Buffer(t, self._dtypes[t.path], _ROW_FIELDS.get(t.path, ())) for t in S.TABLES}
 
     # -- context manager: an exception inside leaves a file marked incomplete --
     def __enter__(self):
@@ -160,20 +201,19 @@ class TraceWriter(Observer):
 
     # -- run start: everything known up front, then SWMR ------------------------------
     def on_run_start(self, info: RunInfo) -> None:
-        if self.f is not None or self._closed:
+        if self._started:
             raise RuntimeError("a TraceWriter records one run")
+        self._started = True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         f = self.f = h5py.File(self.path, "w", libver="latest")
         try:
             self._write_header(f, info)
             for t in S.TABLES:
                 _create_table(f, t, self.top_k, chunk_bytes=S.STREAM_CHUNK_BYTES)
-            st = f.create_dataset(S.STATUS, data=np.zeros(len(S.STATUS_FIELDS), np.int64))
-            st.attrs["description"] = ("completed flag (1 once the run completed), then the committed rows of "
-                                       "each table: rows past them are not part of the trace")
-            st.attrs["fields"] = list(S.STATUS_FIELDS)
+            _create_status(f, np.zeros(len(S.STATUS_FIELDS), np.int64))
             f.swmr_mode = True
             f.flush()
+            self._sinks = {t.path: _Sink(f[t.path]) for t in S.TABLES}
         except BaseException:
             f.close()
             self.f = None
@@ -195,7 +235,7 @@ class TraceWriter(Observer):
         a["kv_hashes"] = self.wants_kv_hashes
         a["kv_hash"] = S.KV_HASH
         a["description"] = ("divergence trace: one engine run (docs/trace-format.md); /status says whether it "
-                            "completed and how many rows of each table are committed")
+                            "completed and how many records of each table are committed")
         meta = f.create_group(S.META)
         meta.attrs["description"] = "JSON strings: run settings, target model, draft model (null), environment"
         for k in ("settings", "model", "draft", "environment"):
@@ -276,7 +316,7 @@ class TraceWriter(Observer):
         ids, vals = np.asarray(e.topk_ids), np.asarray(e.topk_logits)
         if ids.shape != (self.top_k,) or vals.shape != (self.top_k,):
             ids, vals = _fit_topk(ids, vals, self.top_k)
-        b.chunks["topk_ids"].append(ids[None])  # [1, K]: chunks of a wide column are 2-D
+        b.chunks["topk_ids"].append(ids[None])  # [1, K]
         b.chunks["topk_logits"].append(vals[None])
         self._rows["tokens"] += 1
 
@@ -330,26 +370,95 @@ class TraceWriter(Observer):
 
     # -- bulk appends (tools and tests that build traces without an engine) -------------
     def append(self, table: str, **columns) -> None:
-        """Append rows to one table as arrays (scalars broadcast). Offsets columns
-        (slice_offset, token_offset, hash_offset, ...) are the caller's; the rows are
-        committed with the next flush. Event methods and append can be mixed."""
+        """Append records to one table from arrays (scalars broadcast): every field
+        of the table, offsets included (hash_offset, token_offset, ... are the
+        caller's). They are committed with the next flush; mixing with events is fine."""
         t = S.TABLE[table]
-        given = set(columns)
-        if given != set(t.names):
-            raise ValueError(f"trace writer: {table} needs columns {', '.join(t.names)}; got {', '.join(sorted(given))}")
+        if set(columns) != set(t.names):
+            raise ValueError(f"trace writer: {table} needs fields {', '.join(t.names)}; "
+                             f"got {', '.join(sorted(columns))}")
         lens = {len(v) for v in columns.values() if np.ndim(v) > 0}
         if len(lens) > 1:
-            raise ValueError(f"trace writer: columns of {table} have different lengths {sorted(lens)}")
+            raise ValueError(f"trace writer: fields of {table} have different lengths {sorted(lens)}")
         n = lens.pop() if lens else 1
-        arrays = {}
-        for c in t.columns:
-            shape = (n, self.top_k) if c.wide else (n,)
-            arrays[c.name] = np.broadcast_to(np.asarray(columns[c.name], c.dtype), shape)
+        records = np.empty(n, self._dtypes[table])
+        for name in t.names:
+            records[name] = columns[name]
         with self._lock:
-            self._pending[table].add_arrays(arrays)
+            self._pending[table].add_records(records)
             if self._pending_since is None:
                 self._pending_since = time.monotonic()
         self._rows[table] += n
+
+    # -- writing -------------------------------------------------------------------------
+    def _tick(self) -> None:
+        while not self._stop.wait(self.flush_seconds / 2):
+            since = self._pending_since
+            if since is not None and time.monotonic() - since >= self.flush_seconds:
+                try:
+                    self.flush()
+                except BaseException as e:  # raised in the engine thread by its next flush
+                    self._error = e
+                    return
+
+    def flush(self) -> None:
+        """Write and commit every closed step now."""
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        with self._lock:
+            f = self.f
+            if f is None:
+                return
+            counts = dict(self._written)
+            for t in S.TABLES:  # /steps last
+                records = self._pending[t.path].take()
+                if records is not None:
+                    self._sinks[t.path].write(counts[t.path], records)
+                    counts[t.path] += len(records)
+            self._pending_since = None
+            if counts != self._written:
+                f.flush()  # the records first ...
+                self._write_status(counts, completed=False)
+                f.flush()  # ... then the counts that make them visible
+                self._written = counts
+            self._last_flush = time.monotonic()
+
+    def _write_status(self, counts: dict, *, completed: bool) -> None:
+        st = np.array([int(completed)] + [counts[t.path] for t in S.TABLES], np.int64)
+        self.f[S.STATUS].id.write(h5py.h5s.ALL, h5py.h5s.ALL, st)
+
+    def on_run_end(self, completed: bool) -> None:
+        self.close(completed=bool(completed))
+
+    def close(self, *, completed: bool | None = None) -> None:
+        """Write what is left and close. completed=True marks the trace complete (and
+        compacts it); False or None leave it marked incomplete."""
+        if self._timer is not None:
+            self._stop.set()
+            self._timer.join()
+            self._timer = None
+        if self.f is None:
+            return
+        try:
+            if completed:
+                self._drain_legacy()
+                self._close_step()  # events after the last step (final request events)
+            else:  # a step cut short: keep its request events (errors), drop its half-made records
+                with self._lock:
+                    for name in ("request_events", "request_event_detail"):
+                        self._cur[name].move_to(self._pending[name])
+            self.flush()
+            if completed and not self.compact:
+                for t in S.TABLES:  # trim the capacity grown ahead
+                    self._sinks[t.path].id.set_extent((self._written[t.path],))
+                self._write_status(self._written, completed=True)
+                self.f.flush()
+        finally:
+            self.f.close()
+            self.f = None
+        if completed and self.compact:
+            compact(self.path)
 
     # -- legacy column buffers: tests/tui/story.py fills them directly (use append) -------
     @property
@@ -373,9 +482,8 @@ class TraceWriter(Observer):
         self.tables["tokens"].cols["topk_logits"] = list(rows)
 
     def _drain_legacy(self) -> None:
-        legacy = self._legacy
         renamed = {"slices/input_tokens": ("slice_tokens", "token"), "slices/logit_rows": ("slice_logit_rows", "row")}
-        for name, t in legacy.items():
+        for name, t in self._legacy.items():
             if not any(t.cols.values()):
                 continue
             if name in renamed:
@@ -384,81 +492,6 @@ class TraceWriter(Observer):
             else:
                 self.append(name, **{k: np.asarray(v) for k, v in t.cols.items()})
         self._legacy = {}
-
-    # -- writing -------------------------------------------------------------------------
-    def _tick(self) -> None:
-        while not self._stop.wait(self.flush_seconds / 2):
-            since = self._pending_since
-            if since is not None and time.monotonic() - since >= self.flush_seconds:
-                try:
-                    self.flush()
-                except BaseException as e:  # reported to the engine thread at its next on_step / close
-                    self._error = e
-                    return
-
-    def flush(self) -> None:
-        """Write and commit every closed step now."""
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise err
-        with self._lock:
-            f = self.f
-            if f is None:
-                return
-            batch = {name: b.take() for name, b in self._pending.items()}
-            self._pending_since = None
-            counts = dict(self._written)
-            for t in S.TABLES:  # /steps last
-                cols = batch[t.path]
-                if cols is None:
-                    continue
-                g = f[t.path]
-                n0 = counts[t.path]
-                for name, arr in cols.items():
-                    _write_rows(g[name], n0, arr)
-                counts[t.path] = n0 + len(next(iter(cols.values())))
-            if counts != self._written:
-                f.flush()  # the data first ...
-                self._write_status(counts, completed=False)
-                f.flush()  # ... then the counts that make it visible
-                self._written = counts
-            self._last_flush = time.monotonic()
-
-    def _write_status(self, counts: dict, *, completed: bool) -> None:
-        st = np.array([int(completed)] + [counts[t.path] for t in S.TABLES], np.int64)
-        self.f[S.STATUS].id.write(h5py.h5s.ALL, h5py.h5s.ALL, st)
-
-    def on_run_end(self, completed: bool) -> None:
-        self.close(completed=bool(completed))
-
-    def close(self, *, completed: bool | None = None) -> None:
-        """Write what is left and close. completed=True marks the trace complete (and
-        compacts it); False or None leave it marked incomplete."""
-        if self._timer is not None:
-            self._stop.set()
-            self._timer.join()
-            self._timer = None
-        if self.f is None:
-            return
-        self._closed = True
-        try:
-            if completed:
-                self._drain_legacy()
-                self._close_step()  # events after the last step (final request events)
-            else:  # a step cut short: keep its request events (errors), drop its half-made records
-                keep = self._cur["request_events"], self._cur["request_event_detail"]
-                with self._lock:
-                    for b in keep:
-                        b.move_to(self._pending[b.table.path])
-            self.flush()
-            if completed and not self.compact:
-                self._write_status(self._written, completed=True)
-                self.f.flush()
-        finally:
-            self.f.close()
-            self.f = None
-        if completed and self.compact:
-            compact(self.path)
 
 
 class _LegacyTable:
@@ -488,41 +521,35 @@ def _fit_topk(ids: np.ndarray, vals: np.ndarray, k: int) -> tuple[np.ndarray, np
     return out_i, out_v
 
 
-def _write_rows(d: h5py.Dataset, n0: int, arr: np.ndarray) -> None:
-    """Resize and write rows [n0, n0 + len(arr)) with one low-level call (h5py's
-    slicing costs ~0.1 ms per call)."""
-    arr = np.ascontiguousarray(arr, dtype=d.dtype)
-    n = arr.shape[0]
-    d.id.set_extent((n0 + n,) + arr.shape[1:])
-    fs = d.id.get_space()
-    fs.select_hyperslab((n0,) + (0,) * (arr.ndim - 1), arr.shape)
-    d.id.write(h5py.h5s.create_simple(arr.shape), fs, arr)
-
-
-def _create_table(f: h5py.File, t: S.Table, top_k: int, *, chunk_bytes: int, data: dict | None = None,
+def _create_table(f: h5py.File, t: S.Table, top_k: int, *, chunk_bytes: int, data: np.ndarray | None = None,
                   compression: str | None = None) -> None:
-    g = f.require_group(t.path)
-    g.attrs["description"] = t.description
-    g.attrs["columns"] = list(t.names)
+    dtype = t.dtype(top_k)
+    n = 0 if data is None else len(data)
+    rows = max(64, chunk_bytes // dtype.itemsize)
+    if data is not None:
+        rows = max(1, min(rows, n))
+    kw = {}
+    if compression is not None:
+        kw = dict(compression=compression, compression_opts=S.COMPRESSION_OPTS, shuffle=dtype.itemsize > 1)
+    if "/" in t.path:
+        g = f.require_group(t.path.rsplit("/", 1)[0])
+        g.attrs["description"] = "the KV cache: writes and per-position hashes of their bytes"
+    d = f.create_dataset(t.path, shape=(n,), maxshape=(None,), dtype=dtype, chunks=(rows,), data=data, **kw)
+    d.attrs["description"] = t.description
+    d.attrs["fields"] = list(t.names)
     for c in t.columns:
-        width = top_k if c.wide else 1
-        itemsize = np.dtype(c.dtype).itemsize * width
-        rows = max(64, chunk_bytes // itemsize)
-        arr = None if data is None else data[c.name]
-        n = 0 if arr is None else len(arr)
-        if arr is not None:
-            rows = max(1, min(rows, n))
-        shape, maxshape = ((n, top_k), (None, top_k)) if c.wide else ((n,), (None,))
-        chunks = (rows, top_k) if c.wide else (rows,)
-        kw = {}
-        if compression is not None:
-            kw = dict(compression=compression, compression_opts=S.COMPRESSION_OPTS, shuffle=itemsize > 1)
-        d = g.create_dataset(c.name, shape=shape, maxshape=maxshape, dtype=c.dtype, chunks=chunks, data=arr, **kw)
-        d.attrs["description"] = c.description
+        d.attrs[f"field:{c.name}"] = c.description
         if c.units:
-            d.attrs["units"] = c.units
+            d.attrs[f"units:{c.name}"] = c.units
         if c.codes is not None:
-            d.attrs["codes"] = list(c.codes)
+            d.attrs[f"codes:{c.name}"] = list(c.codes)
+
+
+def _create_status(f: h5py.File, values: np.ndarray) -> None:
+    st = f.create_dataset(S.STATUS, data=values)
+    st.attrs["description"] = ("completed flag (1 once the run completed), then the committed records of each "
+                               "table: records past them are not part of the trace")
+    st.attrs["fields"] = list(S.STATUS_FIELDS)
 
 
 def compact(path) -> None:
@@ -537,19 +564,14 @@ def compact(path) -> None:
             counts = read_status(src)
             for k, v in src.attrs.items():
                 dst.attrs[k] = v
-            top_k = int(src.attrs["top_k"])
-            tables = {t.path for t in S.TABLES}
             for name in (S.META, S.REQUESTS, S.VOCAB):
                 if name in src:
                     src.copy(src[name], dst, name=name)
+            top_k = int(src.attrs["top_k"])
             for t in S.TABLES:
-                n = counts[t.path]
                 _create_table(dst, t, top_k, chunk_bytes=S.FINAL_CHUNK_BYTES, compression=S.COMPRESSION,
-                              data={c.name: src[t.path][c.name][:n] for c in t.columns})
-            st = dst.create_dataset(S.STATUS, data=np.array([1] + [counts[t.path] for t in S.TABLES], np.int64))
-            for k, v in src[S.STATUS].attrs.items():
-                st.attrs[k] = v
-            assert tables  # every streamed table was rewritten
+                              data=src[t.path][: counts[t.path]])
+            _create_status(dst, np.array([1] + [counts[t.path] for t in S.TABLES], np.int64))
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
