@@ -1,7 +1,7 @@
 """`divergence browse A.h5 [B.h5]`: a terminal UI over one trace or a diverged pair."""
 from __future__ import annotations
 
-HELP = "explore one trace, or a diverged pair, in a terminal UI"
+HELP = "explore one trace, or a diverged pair, in a terminal UI (press ? inside for the keys)"
 
 
 def add_arguments(p) -> None:
