@@ -1,0 +1,278 @@
+"""Where a decode step's time goes: the engine vs mlx-lm, B=1 and B=8.
+
+    python bench/profile_engine.py                     # fixture + qwen0.5b, float32
+    python bench/profile_engine.py --models fixture --dtypes float32,bfloat16 --no-pyinstrument
+
+1. Step breakdown (wall-clock timers wrapped around the engine's functions from
+   the outside; nothing in the engine is edited), per decode step (medians over
+   all decode steps of all repetitions, robust to other processes' bursts):
+   graph build (PackedForward.__call__ + greedy_rows: Python only, lazy MLX
+   ops), eval (mx.eval: the compute, plus waiting), logits to numpy, host work
+   after the forward (sampling bookkeeping, top-k, events) and the rest of the
+   loop (scheduler). Everything except eval is host time that an
+   mx.async_eval pipeline (as mlx-lm's) could hide behind the next step's compute.
+2. mlx-lm side by side: generate_step / BatchGenerator median step interval as shipped
+   (async_eval pipelined) and with mx.async_eval replaced by mx.eval (synchronous,
+   like the engine): what the overlap buys mlx-lm, and its graph-build time.
+3. pyinstrument text profiles of one engine decode run per (model, dtype, B),
+   saved to bench/results/profile_<model>_<dtype>_b<B>.txt.
+
+Writes bench/results/profile.json.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
+from common import mx
+
+import mlx.core as mxc
+from mlx_lm.generate import BatchGenerator, generate_step
+
+import divergence.engine.engine as E
+import divergence.engine.forward as F
+import divergence.engine.sampling as S
+from divergence.engine.engine import Engine
+from divergence.engine.request import Request
+
+SIZES = {"fixture": dict(prompt=16, tokens=48, reps=3), "qwen0.5b": dict(prompt=16, tokens=8, reps=3)}
+
+T: dict[str, float] = defaultdict(float)
+STEPS: list[dict] = []  # one record per engine target step
+MODEL_CALLS: list[tuple[float, bool]] = []  # (seconds, decode?) per mlx-lm model call
+
+
+def _timed(name, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            T[name] += time.perf_counter() - t
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _timed_step(fn):
+    """_Run._target_step: record each step's components (deltas of T) and its wall time."""
+
+    def wrapper(self, work):
+        before = dict(T)
+        t0 = time.perf_counter()
+        try:
+            return fn(self, work)
+        finally:
+            t1 = time.perf_counter()
+            rec = {k: T[k] - before.get(k, 0.0) for k in list(T)}
+            rec.update(start=t0, end=t1, decode=all(not w.prefill for w in work), rows=len(work))
+            STEPS.append(rec)
+
+    return wrapper
+
+
+class Instrument:
+    """Wrap the engine's step functions (and mx.eval while the engine runs) with timers."""
+
+    def __enter__(self):
+        self.saved = [(F.PackedForward, "__call__"), (S, "greedy_rows"), (E._Run, "_forward"),
+                      (E._Run, "_propose"), (E._Run, "_commit"), (mxc, "eval"), (E._Run, "_target_step")]
+        self.orig = [getattr(o, n) for o, n in self.saved]
+        names = ["build_forward", "build_greedy", "forward_total", "propose", "commit", "eval"]
+        for (o, n), f, name in zip(self.saved[:-1], self.orig[:-1], names):
+            setattr(o, n, _timed(name, f))
+        setattr(E._Run, "_target_step", _timed_step(self.orig[-1]))
+        return self
+
+    def __exit__(self, *exc):
+        for (o, n), f in zip(self.saved, self.orig):
+            setattr(o, n, f)
+
+
+class SyncEval:
+    """mx.async_eval -> mx.eval: mlx-lm without its pipelining."""
+
+    def __enter__(self):
+        self.orig = mxc.async_eval
+        mxc.async_eval = mxc.eval
+
+    def __exit__(self, *exc):
+        mxc.async_eval = self.orig
+
+
+class ModelCallTimer:
+    """Time each mlx-lm model call (graph build only: MLX is lazy); decode = one new token per row."""
+
+    def __init__(self, model):
+        self.cls = type(model)
+
+    def __enter__(self):
+        self.orig = orig = self.cls.__call__
+
+        def wrapper(m, inputs, *a, **k):
+            t = time.perf_counter()
+            try:
+                return orig(m, inputs, *a, **k)
+            finally:
+                MODEL_CALLS.append((time.perf_counter() - t, inputs.shape[-1] == 1))
+
+        self.cls.__call__ = wrapper
+
+    def __exit__(self, *exc):
+        self.cls.__call__ = self.orig
+
+
+def engine_steps(eng, prompts, n) -> list[dict]:
+    """Per decode step: components (ms) and the wall interval since the previous step ended."""
+    T.clear()
+    STEPS.clear()
+    reqs = [Request(f"r{i}", tuple(p), max_tokens=n) for i, p in enumerate(prompts)]
+    C.sync()
+    with Instrument():
+        eng.run(reqs, "concurrent")
+    out = []
+    for prev, cur in zip(STEPS, STEPS[1:]):
+        if cur["decode"]:
+            d = {k: cur.get(k, 0.0) * 1000 for k in ("build_forward", "build_greedy", "eval", "forward_total", "commit")}
+            d["step"] = (cur["end"] - prev["end"]) * 1000
+            d["target_step"] = (cur["end"] - cur["start"]) * 1000
+            d["loop"] = (cur["start"] - prev["end"]) * 1000
+            out.append(d)
+    return out
+
+
+def mlx_steps(model, prompts, n, sync: bool) -> dict:
+    """Per decode step of generate_step (one prompt) or BatchGenerator: interval and graph-build time (ms)."""
+    MODEL_CALLS.clear()
+    C.sync()
+    stamps = []
+    with ModelCallTimer(model):
+        if sync:
+            ctx = SyncEval()
+            ctx.__enter__()
+        try:
+            if len(prompts) == 1:
+                for _ in generate_step(mx.array(prompts[0]), model, max_tokens=n):
+                    stamps.append(time.perf_counter())
+            else:
+                gen = BatchGenerator(model, max_tokens=n, completion_batch_size=32,
+                                     prefill_batch_size=max(8, len(prompts)))
+                gen.insert([list(p) for p in prompts], [n] * len(prompts))
+                while gen.next_generated():
+                    stamps.append(time.perf_counter())
+                gen.close()
+            C.sync()
+        finally:
+            if sync:
+                ctx.__exit__()
+    intervals = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+    builds = [t * 1000 for t, dec in MODEL_CALLS if dec]
+    return {"intervals": intervals, "builds": builds}
+
+
+def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dict:
+    t = C.load(path, dtype)
+    print(f"\n== {name} {t.dtype}", flush=True)
+    bmax = max(batches)
+    ps = C.prompts(t.encode, bmax, sz["prompt"])
+    eng = Engine(t, policy="native", stop_at_eos=False)
+    eng.run([Request("w", tuple(ps[0][:8]), max_tokens=2)], "serial")
+    mlx_steps(t.model, [ps[0][:8]], 2, False)
+    res = {"model": name, "dtype": t.dtype, "sizes": sz, "batches": {}}
+    for b in batches:
+        eng_steps, mlx = [], {False: {"intervals": [], "builds": []}, True: {"intervals": [], "builds": []}}
+        for rep in range(sz["reps"]):
+            order = ["engine", False, True] if rep % 2 == 0 else [True, False, "engine"]
+            for who in order:
+                if who == "engine":
+                    eng_steps += engine_steps(eng, ps[:b], sz["tokens"])
+                else:
+                    r = mlx_steps(t.model, ps[:b], sz["tokens"], who)
+                    mlx[who]["intervals"] += r["intervals"]
+                    mlx[who]["builds"] += r["builds"]
+        e = {k: C.med([s[k] for s in eng_steps]) for k in eng_steps[0]}
+        build = e["build_forward"] + e["build_greedy"]
+        compute = e["eval"]
+        to_numpy = e["forward_total"] - build - compute
+        host_after = e["target_step"] - e["forward_total"]
+        host = build + max(to_numpy, 0.0) + host_after + e["loop"]
+        a_ms, s_ms = C.med(mlx[False]["intervals"]), C.med(mlx[True]["intervals"])
+        row = {
+            "decode_steps_measured": {"engine": len(eng_steps), "mlx_async": len(mlx[False]["intervals"]),
+                                      "mlx_sync": len(mlx[True]["intervals"])},
+            "engine_ms_per_step": e["step"],
+            "engine_breakdown_ms": {"graph_build": build, "build_forward": e["build_forward"],
+                                    "build_greedy": e["build_greedy"], "eval": compute,
+                                    "logits_to_numpy_etc": to_numpy, "host_after_forward": host_after,
+                                    "loop_scheduler": e["loop"]},
+            "engine_host_ms": host,
+            "engine_host_frac": host / e["step"] if e["step"] else None,
+            # with a perfect async pipeline a step costs max(host, compute) instead of host + compute
+            "engine_ms_if_overlapped": max(host, compute),
+            "engine_overlap_speedup_bound": e["step"] / max(host, compute) if max(host, compute) else None,
+            "mlx_async_ms_per_step": a_ms,
+            "mlx_sync_ms_per_step": s_ms,
+            "mlx_async_gain": s_ms / a_ms if a_ms else None,
+            "mlx_graph_build_ms": C.med(mlx[False]["builds"]),
+            "engine_speed_vs_mlx_async": a_ms / e["step"] if e["step"] else None,
+            "engine_speed_vs_mlx_sync": s_ms / e["step"] if e["step"] else None,
+        }
+        res["batches"][str(b)] = row
+        print(f"   B={b}: engine {e['step']:.2f} ms/step = build {build:.2f} + eval {compute:.2f}"
+              f" + to_numpy {to_numpy:.2f} + host after {host_after:.2f} + loop {e['loop']:.2f};"
+              f" mlx-lm async {a_ms:.2f} sync {s_ms:.2f} (build {row['mlx_graph_build_ms']:.2f})", flush=True)
+        if pyinst:
+            from pyinstrument import Profiler
+
+            prof = Profiler(interval=0.0005)
+            reqs = [Request(f"r{i}", tuple(p), max_tokens=sz["tokens"]) for i, p in enumerate(ps[:b])]
+            prof.start()
+            eng.run(reqs, "concurrent")
+            prof.stop()
+            f = outdir / f"profile_{name}_{t.dtype}_b{b}.txt"
+            f.write_text(prof.output_text(unicode=False, color=False, show_all=False))
+            row["pyinstrument"] = str(f.relative_to(C.ROOT))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="fixture,qwen0.5b")
+    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--no-pyinstrument", action="store_true")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--model-cache", default=None)
+    ap.add_argument("--out", default=str(C.RESULTS / "profile.json"))
+    a = ap.parse_args()
+    meta = C.meta(a)  # at the start: the engine commit that was measured
+    t0 = time.perf_counter()
+    target, _, where = C.fixture_paths(a.target, None)
+    batches = [int(x) for x in a.batches.split(",")]
+    out = []
+    for name in a.models.split(","):
+        path = target if name == "fixture" else C.qwen_path(target, a.model_cache)
+        for dtype in a.dtypes.split(","):
+            out.append(breakdown(name, path, dtype, SIZES[name], batches, not a.no_pyinstrument, C.RESULTS))
+    rows = []
+    for r in out:
+        for b, x in r["batches"].items():
+            bd = x["engine_breakdown_ms"]
+            rows.append([r["model"], r["dtype"], b, C.fmt(x["engine_ms_per_step"]), C.fmt(bd["graph_build"]),
+                         C.fmt(bd["eval"]), C.fmt(bd["logits_to_numpy_etc"]), C.fmt(bd["host_after_forward"]),
+                         C.fmt(bd["loop_scheduler"]), C.fmt(x["engine_host_frac"]), C.fmt(x["engine_ms_if_overlapped"]),
+                         C.fmt(x["mlx_async_ms_per_step"]), C.fmt(x["mlx_sync_ms_per_step"]),
+                         C.fmt(x["mlx_graph_build_ms"]), C.fmt(x["engine_speed_vs_mlx_async"])])
+    txt = C.table(rows, ["model", "dtype", "B", "eng ms/step", "build", "eval", "to np", "host after", "loop",
+                         "host frac", "eng if overlapped", "mlx async", "mlx sync", "mlx build", "eng/mlx speed"])
+    print("\n" + txt)
+    C.write_json(Path(a.out), {"meta": meta, "fixture_source": where, "results": out, "table": txt.splitlines(),
+                               "seconds": time.perf_counter() - t0})
+    print(f"[bench] total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
