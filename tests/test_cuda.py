@@ -78,10 +78,23 @@ def test_native_divergence_on_cuda_is_found_and_explained(tmp_path):
         assert cause is not None and cause["kind"] in CAUSE_KINDS, r
         if cause["kind"] != "sampler":
             assert cause["rows_b"] > cause["rows_a"] == 1, cause  # a batched step vs the lone serial row
-    unconfirmed = [r["id"] for r in diverged if r["confirmed"] is not True]
-    if unconfirmed:
-        # Known on MLX 0.32.4 CUDA: both schedules' steps are labelled `native`, so forcing the
-        # concurrent step onto "serial's kernels" replays the same batched kernels and cannot
-        # undo the flip (see bench/results/cuda/README.md). Passes once replay forces M=1.
-        pytest.xfail(f"root causes found but not confirmed by replay: {unconfirmed}")
+    unconfirmed = {r["id"]: r["root_cause"]["confirm_detail"] for r in diverged if r["confirmed"] is not True}
+    assert not unconfirmed, f"root causes not confirmed by replay: {unconfirmed}"
+    for r in diverged:
+        # native labels on both sides: the proof is the step replayed request by request
+        assert "request by request" in r["root_cause"]["confirm_detail"], r["root_cause"]["confirm_detail"]
 
+
+def test_probe_maps_the_backend(tmp_path):
+    report = _cli("probe", "--model", str(ROOT / "fixtures" / "target"), "--rows", "1..16")
+    ops = {o["op"]: o for o in report["ops"]}
+    assert {"q_proj", "lm_head", "sdpa"} <= set(ops)
+    for o in ops.values():
+        assert len(o["classes"]) == 16 and o["classes"][0] == 0
+    recorded = json.loads((RESULTS / "probe_fixture.json").read_text())
+    same_device = (recorded["environment"].get("device_name") == report["environment"]["device_name"]
+                   and recorded["environment"]["mlx"] == report["environment"]["mlx"])
+    if same_device:
+        # the same GPU model and MLX give the same map (first 16 row counts of the recorded 1..64)
+        want = {o["op"]: o["classes"][:16] for o in recorded["ops"]}
+        assert {op: o["classes"] for op, o in ops.items()} == want

@@ -33,6 +33,8 @@ class StepView:
     composition: list[dict]  # request_id, phase, start, count, row_offset
     kernel: str  # label of the op named by the root cause, e.g. "gemm/4"
     kernels: dict  # op -> kernel label (first layer where the op ran; lm_head included)
+    # op -> (rows, native class signature) where the op ran natively (see engine.native_classes)
+    native: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"step": self.step, "rows": self.rows, "composition": self.composition,
@@ -52,6 +54,12 @@ class RootCause:
     confirmed: bool | None = None
     confirm_detail: str = ""
 
+    @property
+    def native_class_changes(self) -> dict[str, tuple[int, int]]:
+        """op -> (rows in A, rows in B) for the natively run ops whose probed kernel class
+        differs between the two steps: the backend computed those rows another way."""
+        return native_class_changes(self.a, self.b)
+
     def to_json(self) -> dict:
         return {
             "kind": self.kind, "layer": self.layer, "positions": self.positions, "op": self.op,
@@ -60,6 +68,8 @@ class RootCause:
             "composition_a": self.a.composition, "composition_b": self.b.composition,
             "kernels_a": self.a.kernels, "kernels_b": self.b.kernels,
             "finished_before_divergence": self.finished_before_divergence,
+            "native_class_changes": {op: {"rows_a": ra, "rows_b": rb}
+                                     for op, (ra, rb) in self.native_class_changes.items()},
             "confirm_detail": self.confirm_detail,
         }
 
@@ -106,16 +116,37 @@ def step_kernels(trace, step: int) -> dict[str, str]:
     return out
 
 
+def step_native_classes(trace, step: int) -> dict[str, tuple[int, int]]:
+    """op -> (rows, native class signature) for the ops of one step that ran natively."""
+    ks = trace.kernels(step=step)
+    out: dict[str, tuple[int, int]] = {}
+    for op, rows, cls in zip(ks["op"], ks["rows"], ks["native_class"]):
+        if int(cls):
+            out.setdefault(str(op), (int(rows), int(cls)))
+    return out
+
+
+def native_class_changes(a: StepView, b: StepView) -> dict[str, tuple[int, int]]:
+    return {op: (a.native[op][0], rb) for op, (rb, cb) in b.native.items()
+            if op in a.native and a.native[op][1] != cb}
+
+
 def step_view(trace, step: int) -> StepView:
     plan = trace.step_plan(step)
     comp = [{"request_id": s.request_id, "phase": s.phase, "start": s.start, "count": s.count,
              "row_offset": s.row_offset} for s in plan.slices]
-    return StepView(step, plan.rows, comp, "?", step_kernels(trace, step))
+    return StepView(step, plan.rows, comp, "?", step_kernels(trace, step), step_native_classes(trace, step))
 
 
 def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
-    """The op whose kernel differs between the two steps (the K/V writers first)."""
+    """The op whose kernel differs between the two steps (the K/V writers first): by label,
+    else (both native) by probed kernel class. None when both ran natively and no linear
+    op changed class: the row-count dependence is in another op (attention, norms)."""
     ops = [o for o in b.kernels if a.kernels.get(o) != b.kernels.get(o)]
+    if not ops and a.native and b.native:
+        ops = list(native_class_changes(a, b))
+        if not ops:
+            return None
     for o in prefer:
         if o in ops:
             return o
@@ -125,7 +156,8 @@ def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
 def _views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepView, StepView, str | None]:
     va, vb = step_view(a, step_a), step_view(b, step_b)
     op = _name_op(va, vb, prefer)
-    va.kernel, vb.kernel = va.kernels.get(op, "?"), vb.kernels.get(op, "?")
+    va.kernel, vb.kernel = va.kernels.get(op, "native" if va.native else "?"), \
+        vb.kernels.get(op, "native" if vb.native else "?")
     return va, vb, op
 
 

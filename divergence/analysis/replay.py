@@ -41,9 +41,9 @@ class ReplayReport:
 
 
 def parse_force(items) -> dict:
-    """['7:gemv', '12:gemm:4', '9:lm_head=gemv'] -> {step: policy, or {op: policy}}."""
-    from ..engine.dispatch import KernelPolicy
+    """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}."""
     from ..engine.events import LINEAR_OPS
+    from ..engine.policy import SOLO, SOLO_NAME, KernelPolicy
 
     out: dict = {}
     for item in items or ():
@@ -52,13 +52,15 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL or STEP:OP=KERNEL, e.g. 7:gemv")
         op, eq, kernel = spec.partition("=")
         if not eq:
-            out[int(step)] = KernelPolicy.parse(spec)
+            out[int(step)] = SOLO if spec.strip().lower() == SOLO_NAME else KernelPolicy.parse(spec)
             continue
         if op not in LINEAR_OPS:
             raise PolicyError(f"bad --force {item!r}: unknown op {op!r} (ops: {', '.join(LINEAR_OPS)})")
         per_op = out.setdefault(int(step), {})
         if not isinstance(per_op, dict):
             raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
+        if kernel.strip().lower() == SOLO_NAME:
+            raise PolicyError(f"bad --force {item!r}: solo applies to a whole step (STEP:solo), not to one op")
         per_op[op] = KernelPolicy.parse(kernel)
     return out
 
@@ -195,6 +197,34 @@ def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     return out
 
 
+def force_like_a(a, step_a: int, b, step_b: int):
+    """How to make B's step compute what A's did. Where the kernel labels differ (the
+    engine's own kernels), run each op on A's kernel. Where they are the same (`native`
+    on both sides: a real backend whose kernels we do not choose), the difference is
+    the batch itself, so run each request of the step alone (SOLO), as A's did."""
+    from ..engine.policy import SOLO
+    from .bisect import step_kernels
+
+    ka = step_kernels(a, step_a)
+    if ka == step_kernels(b, step_b):
+        return SOLO
+    return _as_a(ka, _rows_per_op(a, step_a))
+
+
+def _forcing_words(forced: dict, label_a: str) -> str:
+    from ..engine.policy import SoloStep
+
+    steps = sorted(forced)
+    shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
+    solo = [s for s in steps if isinstance(forced[s], SoloStep)]
+    noun = "step" if len(steps) == 1 else "steps"
+    if len(solo) == len(steps):
+        return f"{noun} {shown} run request by request (each request alone, as in {label_a})"
+    if not solo:
+        return f"{noun} {shown} run on {label_a}'s kernels"
+    return f"{noun} {shown} run as in {label_a} ({len(solo)} request by request, the rest on {label_a}'s kernels)"
+
+
 def _rows_per_op(trace, step: int) -> dict:
     ks = trace.kernels(step=step)
     out: dict = {}
@@ -250,26 +280,24 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
             return None, "a sampler cause has no kernel to force"
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         n = (tok.generated_index + 1) if tok is not None else rd.compared
-        forced = {cause.b.step: _as_a(step_kernels(a, cause.a.step), _rows_per_op(a, cause.a.step))}
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
         same, bitwise, first = matches(rd.id, forced, n)
-        what = f"replaying {label_b} with step {cause.b.step} run on {label_a}'s kernels"
+        what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
         exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
         if same:
             return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}"
         pairs = _suspect_steps(a, b, rd.id, tok, num)
         pairs[cause.b.step] = cause.a.step
         if len(pairs) > 1:
-            forced = {sb: _as_a(step_kernels(a, sa), _rows_per_op(a, sa)) for sb, sa in pairs.items()}
+            forced = {sb: force_like_a(a, sa, b, sb) for sb, sa in pairs.items()}
             same2, bitwise2, first2 = matches(rd.id, forced, n)
-            ordered = sorted(pairs)
-            steps = ", ".join(map(str, ordered[:6])) + (f" and {len(ordered) - 6} more" if len(ordered) > 6 else "")
             if same2:
                 exact = ", bit for bit" if bitwise2 else " (tokens; some logits still differ)"
-                return True, (f"replaying {label_b} with steps {steps} run on {label_a}'s kernels makes {rd.id} "
+                return True, (f"replaying {label_b} with {_forcing_words(forced, label_a)} makes {rd.id} "
                               f"match {label_a} up to the divergence{exact} (step {cause.b.step} alone does not: "
                               f"{len(pairs) - 1} other step{'s' if len(pairs) > 2 else ''} differ too)")
-            return False, (f"{what}: {rd.id} still differs at generated #{first}; with steps {steps} "
-                           f"forced too it differs at #{first2}")
+            return False, (f"{what}: {rd.id} still differs at generated #{first}; with "
+                           f"{_forcing_words(forced, label_a)} it differs at #{first2}")
         return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
 
     return confirm
@@ -311,7 +339,7 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
         def fixed(k: int) -> bool:  # force the first k of b_steps
             nonlocal replays
             replays += 1
-            forced = {sb: _as_a(step_kernels(a, a_of[start]), _rows_per_op(a, a_of[start])) for sb, start in b_steps[:k]}
+            forced = {sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]}
             return list(replayer.run(b, forced=forced).outputs[rd.id].tokens[:n]) == want
 
         if not b_steps or not fixed(len(b_steps)):

@@ -71,6 +71,21 @@ def _op(c: RootCause) -> str:
     return f" ({c.op})" if c.op else ""
 
 
+def native_lines(c: RootCause) -> list[str]:
+    """What the probed native kernel classes say about the cause step (native runs only)."""
+    if c.kind == SAMPLER or not (c.a.native and c.b.native):
+        return []
+    changes = c.native_class_changes
+    if not changes:
+        return ["      native kernel classes: no linear op changed class between these steps; the row-count",
+                "      dependence is in another op (attention, norms, elementwise)"]
+    by_rows: dict[tuple, list[str]] = {}
+    for op, rows in changes.items():
+        by_rows.setdefault(rows, []).append(op)
+    parts = [f"{', '.join(ops)} ({ra} -> {rb} rows)" for (ra, rb), ops in by_rows.items()]
+    return [f"      native kernel class changed: {'; '.join(parts)}"]
+
+
 def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool) -> list[str]:
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
@@ -87,6 +102,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
         out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
+    out += native_lines(c)
     for rid, step in sorted(c.finished_before_divergence.items()):
         out.append(f"      {rid} finished at step {step}, before the divergence")
     if confirm_requested:

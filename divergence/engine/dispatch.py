@@ -13,7 +13,8 @@ import mlx.core as mx
 from . import kernels
 from .events import KernelChoice
 from .kernels import LinearOp
-from .policy import BATCH_INVARIANT, GEMM, GEMV, KernelPolicy
+from .native_classes import NativeClassProbe
+from .policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
 
@@ -24,14 +25,21 @@ class KernelDispatcher:
         self.policy = policy
         self.model = model
         self.emit = emit
-        # Replay forcing: step -> policy for the whole step, or {op name: policy} for some ops.
-        self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy]] = {}
+        # Replay forcing: step -> policy for the whole step, {op name: policy} for some ops,
+        # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
+        self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
         self._step = -1
+        self.classes = NativeClassProbe()  # class signatures of native ops, for the trace
         self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
 
     def begin_step(self, step: int) -> None:
         self._step = step
-        self._step_policy = self.forced.get(step, self.policy)
+        forced = self.forced.get(step, self.policy)
+        self._step_policy = self.policy if isinstance(forced, SoloStep) else forced
+
+    def solo(self, step: int) -> bool:
+        """Is this step forced to run each of its requests alone?"""
+        return isinstance(self.forced.get(step), SoloStep)
 
     def policy_for(self, op_name: str) -> KernelPolicy:
         sp = self._step_policy
@@ -53,5 +61,6 @@ class KernelDispatcher:
         else:
             out = kernels.run_native(x, op)
         if self.emit is not None:
-            self.emit(KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits))
+            sig = self.classes.signature(op, m, x.dtype) if kernel == NATIVE else 0
+            self.emit(KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits, sig))
         return out

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -33,7 +34,7 @@ from .events import (
     StepPlan,
     TokenEvent,
 )
-from .forward import PackedForward
+from .forward import PackedForward, StepOutput
 from .kv_cache import BlockManager
 from .model import LoadedModel
 from .request import WARMUP_PREFIX, Request, Sequence
@@ -358,7 +359,10 @@ class _Run:
 
     def _forward(self, state: _ModelState, plan: StepPlan):
         t0 = time.perf_counter()
-        out = state.forward(plan, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
+        if state.dispatch.solo(plan.index) and len(plan.slices) > 1:
+            out = self._forward_solo(state, plan)
+        else:
+            out = state.forward(plan, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
         greedy = smp.greedy_rows(out.logits)
         extra = (out.k_written, out.v_written) if self.want_kv else ()
         mx.eval(out.logits, greedy, *extra, *state.cache.arrays())
@@ -367,6 +371,22 @@ class _Run:
             self._emit_kv(state, plan, out.k_written, out.v_written)
         logits_np = np.array(out.logits.astype(mx.float32))
         return out.logits, [int(t) for t in np.array(greedy)], logits_np
+
+    def _forward_solo(self, state: _ModelState, plan: StepPlan) -> StepOutput:
+        """A step forced SOLO (replay): each slice in its own forward pass, evaluated before
+        the next, exactly as a step holding only that slice; outputs joined in slice order."""
+        parts = []
+        for s in plan.slices:
+            alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
+            out = state.forward(alone, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
+            extra = (out.k_written, out.v_written) if self.want_kv else ()
+            mx.eval(out.logits, *extra, *state.cache.arrays())
+            parts.append(out)
+        logits = mx.concatenate([p.logits for p in parts], axis=0)
+        if not self.want_kv:
+            return StepOutput(logits)
+        return StepOutput(logits, mx.concatenate([p.k_written for p in parts], axis=1),
+                          mx.concatenate([p.v_written for p in parts], axis=1))
 
     def _emit_kv(self, state: _ModelState, plan: StepPlan, k: mx.array, v: mx.array) -> None:
         from ..trace.hashing import hash_rows

@@ -26,5 +26,16 @@ def environment() -> dict:
         "platform": platform.platform(),
         "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
         "device": str(mx.default_device()),
+        "device_name": _device_name(),
+        # the CPU BLAS MLX's CPU ops use (on a GPU backend: only CPU-side ops use it)
         "blas": blas_in_use(),
     }
+
+
+def _device_name() -> str:
+    """The chip behind the default device ('NVIDIA H200', 'Apple M3 Max', a CPU's name):
+    kernel choices, so bits, differ between chips of one backend."""
+    try:
+        return str(mx.device_info().get("device_name", "unknown"))
+    except Exception:  # pragma: no cover - older MLX
+        return "unknown"

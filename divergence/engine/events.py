@@ -76,6 +76,9 @@ class KernelChoice:
     n: int
     k: int
     splits: int = 1  # split-K partitions used (gemm); 1 for others
+    # native only: the backend's kernel class at this row count, as a probe signature
+    # (see native_classes); equal signatures = same class; 0 for the engine's own kernels
+    native_class: int = 0
 
 
 @dataclass

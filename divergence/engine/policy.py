@@ -54,6 +54,22 @@ class KernelPolicy:
         return self.name
 
 
+@dataclass(frozen=True)
+class SoloStep:
+    """Replay forcing for a whole step: run each request of the step in its own forward
+    pass, as if it had been alone in the step (the serial schedule's shape), under the
+    run's own policy. Every op sees the request's own row count, norms, elementwise ops
+    and attention included, so it proves a batching cause whichever op carried it: on
+    a real backend (`native`) the kernels that depend on the row count are not ours."""
+
+    def __str__(self) -> str:
+        return SOLO_NAME
+
+
+SOLO_NAME = "solo"
+SOLO = SoloStep()
+
+
 def _int_after_colon(text: str) -> int:
     try:
         return int(text.split(":", 1)[1])

@@ -149,11 +149,14 @@ class Trace:
     # -- tables --------------------------------------------------------------------------
     def _table(self, name: str) -> dict[str, np.ndarray]:
         g = self.f[name]
-        cols = {k: g[k] for k in S.TABLES[name]}
+        cols = {k: g[k] for k in S.TABLES[name] if k in g}  # older schemas lack newer columns
         for d in cols.values():
             d.id.refresh()  # a live (SWMR) writer may have appended
         n = min(d.shape[0] for d in cols.values())  # a killed writer may leave a ragged end
-        return {k: d[:n] for k, d in cols.items()}
+        out = {k: d[:n] for k, d in cols.items()}
+        for k, (dtype, _) in S.TABLES[name].items():
+            out.setdefault(k, np.zeros(n, dtype))
+        return out
 
     @cached_property
     def steps(self) -> dict[str, np.ndarray]:

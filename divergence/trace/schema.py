@@ -51,6 +51,8 @@ TABLES: dict[str, dict[str, tuple]] = {
         "n": (np.int32, "N: output features"),
         "k": (np.int32, "K: input features (reduction length)"),
         "splits": (np.int16, "split-K partitions (gemm); 1 otherwise"),
+        "native_class": (np.uint64, "native kernel class at this row count: probe signature, equal = same "
+                                    "class; 0 for the engine's own kernels (added later: readers give 0 where a trace lacks the column)"),
     },
     "kv/writes": {
         "step": (np.int64, "step that wrote (for prefix-cache hits: the step that wrote the shared block)"),

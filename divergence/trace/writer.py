@@ -162,7 +162,7 @@ class TraceWriter(Observer):
     def on_kernel(self, c: KernelChoice) -> None:
         self.tables["kernels"].add(step=c.step, model=S.MODELS.index(c.model), layer=c.layer, op=S.OPS.index(c.op),
                                    rows=c.rows, kernel=S.KERNELS.index(c.kernel), m=c.m, n=c.n, k=c.k,
-                                   splits=c.splits)
+                                   splits=c.splits, native_class=c.native_class)
 
     def on_kv_write(self, w: KvWrite) -> None:
         self.tables["kv/writes"].add(step=w.step, model=S.MODELS.index(w.model), request=self._rid(w.request_id),

@@ -34,12 +34,14 @@ a = mx.random.normal((8, 256)).astype(mx.bfloat16); w = mx.random.normal((256, 2
 print('row0 M=1 vs M=8 equal:', mx.array_equal((a[:1] @ w.T)[0], (a @ w.T)[0]).item())
 "
 P=bench/results/cuda/prompts.jsonl
+step op_rows_fixture.txt 60 python3 bench/op_rows.py --model fixtures/target --rows 8 --json $R/op_rows_fixture.json
 step fixture_run.json 120 python3 -m divergence run --model fixtures/target --policy native --prompts $P --max-tokens 64 --ignore-eos --out $T/fixture --json
 step fixture_bisect.json 60 python3 -m divergence bisect $T/fixture/serial.h5 $T/fixture/concurrent.h5 --confirm --json
 step fixture_bisect.txt 30 python3 -m divergence bisect $T/fixture/serial.h5 $T/fixture/concurrent.h5 --confirm
 step make_qwen.txt 60 python3 -c "
 from divergence.testing.models import make_random_model
 print(make_random_model('/root/qwen05b', model_type='qwen2', hidden_size=896, num_layers=24, heads=14, kv_heads=2, intermediate_size=4864, vocab_size=151936, tie=True, dtype='bfloat16', tokenizer_from='fixtures/target'))"
+step op_rows_qwen05b.txt 60 python3 bench/op_rows.py --model /root/qwen05b --rows 8 --json $R/op_rows_qwen05b.json
 step qwen05b_run.json 150 python3 -m divergence run --model /root/qwen05b --policy native --prompts $P --max-tokens 64 --ignore-eos --out $T/qwen05b --json
 step qwen05b_bisect.json 60 python3 -m divergence bisect $T/qwen05b/serial.h5 $T/qwen05b/concurrent.h5 --confirm --json
 step qwen05b_bisect.txt 30 python3 -m divergence bisect $T/qwen05b/serial.h5 $T/qwen05b/concurrent.h5 --confirm
@@ -47,8 +49,7 @@ step probe_fixture.json 60 python3 -m divergence probe --model fixtures/target -
 step probe_fixture.txt 20 python3 -m divergence probe --model fixtures/target --rows 1..64
 step probe_qwen05b.json 60 python3 -m divergence probe --model /root/qwen05b --rows 1..32 --json
 step probe_qwen05b.txt 20 python3 -m divergence probe --model /root/qwen05b --rows 1..32
+step pytest_cuda.txt 120 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
 ls -la $R; du -sh $T
-# at most 8 files come back: the JSON reports and one text file with the rest
-cd $R; for f in *.json; do cp $f $OUT/; done
-{ for f in *.txt; do echo "######## $f"; cat $f; done; } > $OUT/all.txt
-ls $OUT
+# at most 8 files come back: one archive of everything
+tar czf $OUT/results.tgz -C $R . && ls -la $OUT
