@@ -1,7 +1,8 @@
 """Map a backend's batch-invariance: for each linear-op shape of a model and each
-row count M, does row 0 of the native op at M rows equal the same row at M = 1?
+row count M, do calls of M rows compute the probe rows with the same bits as calls
+of one row (engine.native_classes)?
 
-Row counts whose row-0 bits are equal fall into one class; the map reads like
+Row counts with equal signatures fall into one class; the map reads like
 seed 000's table, measured instead of guessed ("q_proj 896x896 bf16: rows 1..5
 one class, 8..128 another"). Attention (SDPA) is probed over query lengths.
 Results are cached per (backend, device, MLX version, shape, dtype).
@@ -19,8 +20,10 @@ import numpy as np
 
 from .engine.forward import PackedForward
 from .engine.kernels import LinearOp
+from .engine.native_classes import NativeClassProbe, bits as _bits
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
+PROBE_METHOD = "rows32"  # part of the cache key: a change of method must not reuse old maps
 
 
 @dataclass
@@ -32,23 +35,29 @@ class OpProbe:
     classes: list[int]  # class per row count; class 0 = same bits as M=1
     layers: list[int] = field(default_factory=list)
 
-    def spans(self) -> list[tuple[int, int, int]]:
-        """(first row count, last row count, class) runs."""
-        out = []
-        for m, c in zip(self.rows, self.classes):
-            if out and out[-1][2] == c:
-                out[-1] = (out[-1][0], m, c)
-            else:
-                out.append((m, m, c))
-        return out
-
     def describe(self) -> str:
+        """Runs of row counts that compute every probe row as one-row calls do (= M=1) or
+        not; calls of other row counts often each place rows their own way (distinct
+        classes), so those are counted rather than listed."""
         if len(set(self.classes)) == 1:
             return f"rows {self.rows[0]}..{self.rows[-1]} one class (batch-invariant)"
+        runs: list[list] = []
+        for m, c in zip(self.rows, self.classes):
+            same = c == 0
+            if runs and runs[-1][2] == same:
+                runs[-1][1] = m
+                runs[-1][3].add(c)
+            else:
+                runs.append([m, m, same, {c}])
         parts = []
-        for a, b, c in self.spans():
+        for a, b, same, cls in runs:
             rng = f"{a}" if a == b else f"{a}..{b}"
-            parts.append(f"{rng} " + ("= M=1" if c == 0 else f"class {c}"))
+            if same:
+                parts.append(f"{rng} = M=1")
+            elif len(cls) == 1:
+                parts.append(f"{rng} class {next(iter(cls))}")
+            else:
+                parts.append(f"{rng} differ ({len(cls)} classes)")
         return "rows " + ", ".join(parts)
 
     def to_json(self) -> dict:
@@ -68,26 +77,10 @@ def classify(outputs: list[np.ndarray]) -> list[int]:
     return classes
 
 
-def _bits(a: mx.array) -> np.ndarray:
-    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
-    return np.array(a.view(width))
-
-
-def probe_linear(op: LinearOp, rows: list[int], dtype, *, run=None, seed: int = 0) -> list[int]:
-    """Class per row count of `run(x, op)` (default: the native op)."""
-    run = run or (lambda x, o: o.native(x))
-    m_max = max(rows)
-    x = mx.random.normal((m_max, op.k), key=mx.random.key(seed)).astype(dtype)
-    base = run(x[:1], op)
-    outs = [_bits(base[0])]
-    for m in rows:
-        if m == 1:
-            continue
-        y = run(x[:m], op)
-        mx.eval(y)
-        outs.append(_bits(y[0]))
-    classes = classify(outs)
-    return classes if rows[0] == 1 else classes[1:]
+def probe_linear(op: LinearOp, rows: list[int], dtype, *, run=None) -> list[int]:
+    """Class per row count of `run(x, op)` (default: the native op): the same probe and
+    signatures the engine records in traces (engine.native_classes)."""
+    return NativeClassProbe(run).classes(op, rows, dtype)
 
 
 def probe_sdpa(n_heads: int, n_kv: int, head_dim: int, dtype, rows: list[int], kv_len: int = 256) -> list[int]:
@@ -109,11 +102,12 @@ def probe_sdpa(n_heads: int, n_kv: int, head_dim: int, dtype, rows: list[int], k
 def cache_key(shape: str, dtype: str, quant, rows) -> str:
     import mlx
 
-    dev = str(mx.default_device())
     from .blas import blas_in_use
+    from .engine.environment import environment
 
-    raw = json.dumps([dev, getattr(mlx.core, "__version__", "?"), blas_in_use(), shape, dtype, quant,
-                      list(rows)])
+    env = environment()
+    raw = json.dumps([PROBE_METHOD, env["device"], env["device_name"], getattr(mlx.core, "__version__", "?"),
+                      blas_in_use(), shape, dtype, quant, list(rows)])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

@@ -43,7 +43,7 @@ class ReplayReport:
 def parse_force(items) -> dict:
     """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}."""
     from ..engine.events import LINEAR_OPS
-    from ..engine.policy import SOLO, SOLO_NAME, KernelPolicy
+    from ..policy import SOLO, SOLO_NAME, KernelPolicy
 
     out: dict = {}
     for item in items or ():
@@ -187,7 +187,7 @@ def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     """Force a B step to run every op with the kernel A's step used for it. A `native`
     op that A ran on one row is forced to `gemv` (the native op one row at a time): on
     a backend whose native kernel depends on the row count, that is A's kernel."""
-    from ..engine.policy import KernelPolicy
+    from ..policy import KernelPolicy
 
     out = {}
     for op, lbl in a_step_kernels.items():
@@ -202,7 +202,7 @@ def force_like_a(a, step_a: int, b, step_b: int):
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
     the batch itself, so run each request of the step alone (SOLO), as A's did."""
-    from ..engine.policy import SOLO
+    from ..policy import SOLO
     from .bisect import step_kernels
 
     ka = step_kernels(a, step_a)
@@ -212,7 +212,7 @@ def force_like_a(a, step_a: int, b, step_b: int):
 
 
 def _forcing_words(forced: dict, label_a: str) -> str:
-    from ..engine.policy import SoloStep
+    from ..policy import SoloStep
 
     steps = sorted(forced)
     shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
@@ -258,11 +258,11 @@ def _suspect_steps(a, b, rid: str, tok, num) -> dict[int, int]:
 def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
     """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
 
-    First the strong claim: B with only the root-cause step run on A's kernels matches A
-    up to the divergence. If other steps also differ, the weaker one: B with every
-    suspect step (its writes were read by the flip, and its kernels differ) forced.
+    First the strong claim: B with only the root-cause step run as A ran it (A's kernels,
+    or request by request where both are `native`) matches A up to the divergence. If
+    other steps also differ, the weaker one: B with every suspect step (its writes were
+    read by the flip, and its kernels or row counts differ) forced.
     """
-    from .bisect import step_kernels
 
     def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
         got = replayer.run(b, forced=forced).outputs[rid]
@@ -311,7 +311,7 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
     A up to the flip". The smallest m with f(m) true names the latest step that had
     to be forced: O(log steps) replays, each one a proof rather than a correlation.
     """
-    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, _co_batched, _finish_step, _views, step_kernels
+    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, _co_batched, _finish_step, _views
 
     def a_step_for(rid: str, until: int) -> dict[int, int]:
         """position -> A's target step that last computed it (up to `until`)."""

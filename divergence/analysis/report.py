@@ -96,8 +96,11 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
         out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
         out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     elif c.kind == STEP_COMPUTE:
-        where = f"layer {c.layer}, " if c.layer is not None else ""
-        out.append(f"    root cause: {kind}, {where}the cache it read was identical;")
+        if c.layer is not None:  # a write of this very step differs: it diverged inside the step
+            out.append(f"    root cause: {kind}: the cache written before this step was identical; inside the step "
+                       f"the rows differ from layer {c.layer} on")
+        else:
+            out.append(f"    root cause: {kind}: the cache it read was identical;")
         out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
         out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
     else:

@@ -14,7 +14,7 @@ from . import kernels
 from .events import KernelChoice
 from .kernels import LinearOp
 from .native_classes import NativeClassProbe
-from .policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
+from ..policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
 

@@ -1,7 +1,7 @@
 """The plugin's settings (ini keys and options), checked once at configure time.
 
-Deliberately free of MLX and of the engine: pytest imports the plugin in every
-project of an environment where divergence is installed.
+Deliberately free of MLX and of the engine (policies come from the mlx-free divergence.policy): pytest
+imports the plugin in every project of an environment where divergence is installed.
 """
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import DivergenceInputError
+from ..policy import KernelPolicy  # mlx-free, outside the engine package (which loads BLAS)
+from ..errors import DivergenceInputError, PolicyError
 
 DEFAULT_POLICY = "native"
 DEFAULT_TOP_K = 8
 DEFAULT_MAX_TOKENS = 64
 
-# The grammar of divergence.engine.dispatch.KernelPolicy.parse, without importing MLX;
-# the engine's parser stays the authority when a check runs.
-_POLICY = re.compile(r"^(native|batch-invariant|gemv|gemm|gemm:\d+|threshold:\d+)$")
-POLICY_HELP = "native | batch-invariant | threshold:N"
+POLICY_HELP = "native | batch-invariant | threshold:N"  # the policies a user picks; KernelPolicy takes more
 
 
 @dataclass(frozen=True)
@@ -37,11 +35,10 @@ class Settings:
 
 def check_policy(policy) -> str:
     """A policy string, normalised; DivergenceInputError when it cannot be one."""
-    text = str(policy).strip().lower()
-    m = _POLICY.match(text)
-    if not m or (":" in text and int(text.split(":", 1)[1]) < 1):
-        raise DivergenceInputError(f"unknown kernel policy {policy!r} (expected {POLICY_HELP})")
-    return text
+    try:
+        return str(KernelPolicy.parse(policy))
+    except PolicyError:
+        raise DivergenceInputError(f"unknown kernel policy {policy!r} (expected {POLICY_HELP})") from None
 
 
 def check_positive_int(name: str, value) -> int:

@@ -19,6 +19,8 @@ def test_classify_groups_by_bits():
     assert classify([a, a, b, b, a]) == [0, 0, 1, 1, 0]
     p = OpProbe("q_proj", "8x8", "bfloat16", [1, 2, 3, 8, 9], [0, 0, 0, 1, 1])
     assert p.describe() == "rows 1..3 = M=1, 8..9 class 1"
+    q = OpProbe("q_proj", "8x8", "float32", [1, 2, 13, 14, 15], [0, 0, 1, 2, 1])
+    assert q.describe() == "rows 1..2 = M=1, 13..15 differ (2 classes)"
 
 
 def test_probe_finds_the_split_of_the_engines_own_gemm(target):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import PolicyError
+from .errors import PolicyError
 
 NATIVE = "native"
 GEMV = "gemv"
