@@ -7,14 +7,13 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import PromptError
 from . import sampling as smp
-from .dispatch import KernelDispatcher, KernelPolicy
+from .dispatch import KernelPolicy
 from .events import (
     DECODE,
     DRAFT,
@@ -34,29 +33,16 @@ from .events import (
     StepPlan,
     TokenEvent,
 )
-from .forward import PackedForward, StepOutput
-from .kv_cache import BlockManager
+from .forward import PackedForward
 from .model import LoadedModel
 from .request import WARMUP_PREFIX, Request, Sequence
 from .scheduler import CONCURRENT, SCHEDULES, SERIAL, WARM, Scheduler, Work
 from .environment import environment
 from .results import RequestOutput, RunResult
+from .model_state import ModelState, kv_writes
 from .speculative import Proposal, accept_greedy, accept_sampled
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "environment"]
-
-
-class _ModelState:
-    """One model's forward, cache and dispatcher for one run."""
-
-    def __init__(self, loaded: LoadedModel, forward: PackedForward, policy: KernelPolicy, name: str,
-                 num_blocks: int, block_size: int, prefix_caching: bool, emit):
-        self.loaded = loaded
-        self.forward = forward
-        self.name = name
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.cache = forward.make_cache(num_blocks, block_size)
-        self.dispatch = KernelDispatcher(policy, name, emit)
 
 
 class Engine:
@@ -177,12 +163,12 @@ class _Run:
         num_blocks = engine.num_blocks or max(need, 1)
         kernels = engine._wants("wants_kernels")
         emit_k = (lambda c: engine._emit("on_kernel", c)) if kernels else None
-        self.target = _ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
+        self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
                                   engine.block_size, engine.prefix_caching, emit_k)
         self.target.dispatch.forced = dict(engine.forced)
         self.draft = None
         if engine.draft is not None:
-            self.draft = _ModelState(engine.draft, engine._draft_fwd, engine.policy, DRAFT_MODEL, num_blocks,
+            self.draft = ModelState(engine.draft, engine._draft_fwd, engine.policy, DRAFT_MODEL, num_blocks,
                                      engine.block_size, False, emit_k)
             self.draft.dispatch.forced = dict(engine.forced)
         # warm: the cache is first filled by other requests (the same prompts, batched),
@@ -357,53 +343,23 @@ class _Run:
             self.e._emit("on_step", StepEvent(plan, self._last_duration))
         self.proposals.update(props)
 
-    def _forward(self, state: _ModelState, plan: StepPlan):
+    def _forward(self, state: ModelState, plan: StepPlan):
         t0 = time.perf_counter()
-        if state.dispatch.solo(plan.index) and len(plan.slices) > 1:
-            out = self._forward_solo(state, plan)
-        else:
-            out = state.forward(plan, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
+        out = state.forward_step(plan, keep_kv=self.want_kv)
         greedy = smp.greedy_rows(out.logits)
         extra = (out.k_written, out.v_written) if self.want_kv else ()
         mx.eval(out.logits, greedy, *extra, *state.cache.arrays())
         self._last_duration = time.perf_counter() - t0
         if self.want_kv:
-            self._emit_kv(state, plan, out.k_written, out.v_written)
+            remember = state.blocks.prefix_caching
+            for w in kv_writes(plan, state.name, out.k_written, out.v_written):
+                self.e._emit("on_kv_write", w)
+                if remember:
+                    for i in range(w.count):
+                        self.kv_live[(w.request_id, w.layer, w.start + i)] = \
+                            (plan.index, int(w.k_hashes[i]), int(w.v_hashes[i]))
         logits_np = np.array(out.logits.astype(mx.float32))
         return out.logits, [int(t) for t in np.array(greedy)], logits_np
-
-    def _forward_solo(self, state: _ModelState, plan: StepPlan) -> StepOutput:
-        """A step forced SOLO (replay): each slice in its own forward pass, evaluated before
-        the next, exactly as a step holding only that slice; outputs joined in slice order."""
-        parts = []
-        for s in plan.slices:
-            alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
-            out = state.forward(alone, state.cache, state.blocks, state.dispatch, keep_kv=self.want_kv)
-            extra = (out.k_written, out.v_written) if self.want_kv else ()
-            mx.eval(out.logits, *extra, *state.cache.arrays())
-            parts.append(out)
-        logits = mx.concatenate([p.logits for p in parts], axis=0)
-        if not self.want_kv:
-            return StepOutput(logits)
-        return StepOutput(logits, mx.concatenate([p.k_written for p in parts], axis=1),
-                          mx.concatenate([p.v_written for p in parts], axis=1))
-
-    def _emit_kv(self, state: _ModelState, plan: StepPlan, k: mx.array, v: mx.array) -> None:
-        from ..trace.hashing import hash_rows
-
-        layers, rows = k.shape[0], k.shape[1]
-        kh = hash_rows(_raw_bytes(k.reshape(layers * rows, -1))).reshape(layers, rows)
-        vh = hash_rows(_raw_bytes(v.reshape(layers * rows, -1))).reshape(layers, rows)
-        remember = state.blocks.prefix_caching
-        for s in plan.slices:
-            r0, r1 = s.row_offset, s.row_offset + s.count
-            for layer in range(layers):
-                ks, vs = kh[layer, r0:r1], vh[layer, r0:r1]
-                self.e._emit("on_kv_write", KvWrite(plan.index, state.name, s.request_id, layer, s.start, s.count,
-                                                    ks, vs))
-                if remember:
-                    for i in range(s.count):
-                        self.kv_live[(s.request_id, layer, s.start + i)] = (plan.index, int(ks[i]), int(vs[i]))
 
     def _sample_one(self, seq: Sequence, logits_row: np.ndarray, greedy_tok: int, position: int) -> int:
         s = seq.request.sampling
@@ -439,8 +395,3 @@ class _Run:
 
     _last_duration = 0.0
 
-
-def _raw_bytes(a: mx.array) -> np.ndarray:
-    """[n, ...] array -> numpy rows holding the exact stored bytes (bf16 included)."""
-    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
-    return np.array(a.view(width)).reshape(a.shape[0], -1)

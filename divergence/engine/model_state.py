@@ -1,0 +1,71 @@
+"""One model's share of a run: its forward, paged KV cache and kernel dispatcher,
+how one step plan is executed on them (whole, or request by request when replay
+forces SOLO), and the KV writes a step made, as hashed events."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import mlx.core as mx
+import numpy as np
+
+from ..policy import KernelPolicy
+from .dispatch import KernelDispatcher
+from .events import KvWrite, StepPlan
+from .forward import PackedForward, StepOutput
+from .kv_cache import BlockManager
+from .model import LoadedModel
+
+
+class ModelState:
+    """One model's forward, cache and dispatcher for one run."""
+
+    def __init__(self, loaded: LoadedModel, forward: PackedForward, policy: KernelPolicy, name: str,
+                 num_blocks: int, block_size: int, prefix_caching: bool, emit):
+        self.loaded = loaded
+        self.forward = forward
+        self.name = name
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
+        self.cache = forward.make_cache(num_blocks, block_size)
+        self.dispatch = KernelDispatcher(policy, name, emit)
+
+    def forward_step(self, plan: StepPlan, *, keep_kv: bool) -> StepOutput:
+        """The step's forward pass (lazy). A step forced SOLO runs each slice in its own
+        pass, evaluated before the next, exactly as a step holding only that slice;
+        outputs are joined in slice order."""
+        if not (self.dispatch.solo(plan.index) and len(plan.slices) > 1):
+            return self.forward(plan, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv)
+        parts = []
+        for s in plan.slices:
+            alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
+            out = self.forward(alone, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv)
+            mx.eval(out.logits, *((out.k_written, out.v_written) if keep_kv else ()), *self.cache.arrays())
+            parts.append(out)
+        logits = mx.concatenate([p.logits for p in parts], axis=0)
+        if not keep_kv:
+            return StepOutput(logits)
+        return StepOutput(logits, mx.concatenate([p.k_written for p in parts], axis=1),
+                          mx.concatenate([p.v_written for p in parts], axis=1))
+
+
+def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWrite]:
+    """The step's KV writes, one per (slice, layer), with per-position hashes of the
+    exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order. Hashed
+    for the whole step at once (per slice was measurably slower)."""
+    from ..trace.hashing import hash_rows
+
+    layers, rows = k.shape[0], k.shape[1]
+    kh = hash_rows(raw_bytes(k.reshape(layers * rows, -1))).reshape(layers, rows)
+    vh = hash_rows(raw_bytes(v.reshape(layers * rows, -1))).reshape(layers, rows)
+    out = []
+    for s in plan.slices:
+        r0, r1 = s.row_offset, s.row_offset + s.count
+        for layer in range(layers):
+            out.append(KvWrite(plan.index, model, s.request_id, layer, s.start, s.count, kh[layer, r0:r1],
+                               vh[layer, r0:r1]))
+    return out
+
+
+def raw_bytes(a: mx.array) -> np.ndarray:
+    """[n, ...] array -> numpy rows holding the exact stored bytes (bf16 included)."""
+    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
+    return np.array(a.view(width)).reshape(a.shape[0], -1)
