@@ -23,6 +23,7 @@ from .engine.kernels import LinearOp
 from .engine.native_classes import NativeClassProbe, bits as _bits
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
+DEFAULT_KV_LENS = (64, 256, 1024)  # KV lengths SDPA is probed at
 PROBE_METHOD = "rows32"  # part of the cache key: a change of method must not reuse old maps
 
 
@@ -116,8 +117,9 @@ def _cache_path() -> Path:
     return Path(base) / "probe.json"
 
 
-def probe_model(loaded, rows: list[int], *, use_cache: bool = True) -> dict:
-    """The class map of every distinct linear-op shape of a model, plus SDPA."""
+def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFAULT_KV_LENS) -> dict:
+    """The class map of every distinct linear-op shape of a model, plus SDPA (over query
+    lengths, at each KV length: kernels pick tiles from both)."""
     fwd = PackedForward(loaded)
     dtype = fwd.dtype
     dname = str(dtype).replace("mlx.core.", "")
@@ -143,8 +145,10 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True) -> dict:
         cache[ck] = classes
         seen[key] = OpProbe(op.name, shape, dname + (f" q{quant.get('bits')}" if quant else ""), list(rows),
                             classes, [li])
-    sd = OpProbe("sdpa", f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}", dname, list(rows),
-                 probe_sdpa(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, rows))
+    sdpa = [OpProbe("sdpa", f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}, kv {kv}", dname,
+                    [r for r in rows if r <= kv],
+                    probe_sdpa(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, [r for r in rows if r <= kv], kv))
+            for kv in kv_lens if any(r <= kv for r in rows)]
     if use_cache:
         try:
             cpath.parent.mkdir(parents=True, exist_ok=True)
@@ -154,10 +158,10 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True) -> dict:
     from .engine.engine import environment
 
     return {"model": str(loaded.path), "environment": environment(),
-            "ops": [p.to_json() for p in seen.values()] + [sd.to_json()]}
+            "ops": [p.to_json() for p in seen.values()] + [p.to_json() for p in sdpa]}
 
 
-def parse_rows(text: str) -> list[int]:
+def parse_rows(text: str, what: str = "--rows") -> list[int]:
     """'1..128' -> every row count from 1 to 128; '1,2,4,8' -> those."""
     from .errors import DivergenceInputError
 
@@ -168,7 +172,7 @@ def parse_rows(text: str) -> list[int]:
         else:
             rows = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise DivergenceInputError(f"bad --rows {text!r}: expected A..B or a comma list") from None
-    if not rows or rows[0] < 1 or rows[-1] > 4096:
-        raise DivergenceInputError(f"bad --rows {text!r}: row counts must be within 1..4096")
+        raise DivergenceInputError(f"bad {what} {text!r}: expected A..B or a comma list") from None
+    if not rows or rows[0] < 1 or rows[-1] > 65536:
+        raise DivergenceInputError(f"bad {what} {text!r}: values must be within 1..65536")
     return rows

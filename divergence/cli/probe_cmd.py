@@ -9,6 +9,8 @@ HELP = "map a backend's batch-invariance: row-count classes of every linear-op s
 def add_arguments(p) -> None:
     add_model_args(p, draft=False)
     p.add_argument("--rows", default="1..128", help="row counts: A..B or a comma list (default 1..128)")
+    p.add_argument("--kv-lens", default="64,256,1024",
+                   help="KV lengths to probe SDPA at (query lengths from --rows up to each; default 64,256,1024)")
     p.add_argument("--no-cache", action="store_true", help="measure again instead of using the cached map")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
@@ -18,9 +20,10 @@ def main(args) -> int:
     from ..probe import parse_rows, probe_model
 
     rows = parse_rows(args.rows)
+    kv_lens = parse_rows(args.kv_lens, "--kv-lens")
     target_dir, _ = default_model_dirs()
     loaded = load_model(args.model or target_dir, dtype=args.dtype)
-    result = probe_model(loaded, rows, use_cache=not args.no_cache)
+    result = probe_model(loaded, rows, use_cache=not args.no_cache, kv_lens=kv_lens)
     if args.json:
         emit_json(result)
         return 0

@@ -41,6 +41,10 @@ def test_probe_cli_on_bf16_fixture_one_class_per_op(capsys, tmp_path, monkeypatc
     report = json.loads(capsys.readouterr().out)
     ops = {o["op"]: o for o in report["ops"]}
     assert {"q_proj", "k_proj", "down_proj", "lm_head", "sdpa"} <= set(ops)
+    # SDPA at each default KV length, over query lengths up to it
+    sdpa = [o for o in report["ops"] if o["op"] == "sdpa"]
+    assert [o["shape"].rsplit("kv ", 1)[1] for o in sdpa] == ["64", "256", "1024"]
+    assert all(o["rows"] == list(range(1, 25)) for o in sdpa)
     # MLX's own bf16 matmul on the CPU is batch-invariant: one class per linear op
     for name, o in ops.items():
         if name != "sdpa":
