@@ -21,7 +21,8 @@ __all__ = ["KernelDispatcher", "KernelPolicy"]
 class KernelDispatcher:
     """Runs linear ops for one model under a policy; emits KernelChoice events."""
 
-    def __init__(self, policy: KernelPolicy, model: str, emit: Callable[[KernelChoice], None] | None = None):
+    def __init__(self, policy: KernelPolicy, model: str, emit: Callable[[KernelChoice], None] | None = None,
+                 classes: NativeClassProbe | None = None):
         self.policy = policy
         self.model = model
         self.emit = emit
@@ -29,7 +30,9 @@ class KernelDispatcher:
         # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
         self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
         self._step = -1
-        self.classes = NativeClassProbe()  # class signatures of native ops, for the trace
+        # class signatures of native ops, for the trace; the forward's own probe when given,
+        # so signatures are measured once per model, not once per run
+        self.classes = classes or NativeClassProbe()
         self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
 
     def begin_step(self, step: int) -> None:

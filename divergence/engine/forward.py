@@ -19,6 +19,7 @@ from .events import StepPlan
 from .kernels import LinearOp
 from .kv_cache import BlockManager, PagedKVCache
 from .model import LoadedModel
+from .native_classes import NativeClassProbe
 
 
 @dataclass
@@ -65,6 +66,7 @@ class PackedForward:
         self.scale = attn0.scale
         self.has_qk_norm = hasattr(attn0, "q_norm")
         self.dtype = self.inner.norm.weight.dtype
+        self.native_classes = NativeClassProbe()  # memo of the native ops' class signatures
 
     @property
     def num_layers(self) -> int:

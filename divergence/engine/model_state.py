@@ -26,7 +26,7 @@ class ModelState:
         self.name = name
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = forward.make_cache(num_blocks, block_size)
-        self.dispatch = KernelDispatcher(policy, name, emit)
+        self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes)
 
     def forward_step(self, plan: StepPlan, *, keep_kv: bool) -> StepOutput:
         """The step's forward pass (lazy). A step forced SOLO runs each slice in its own
