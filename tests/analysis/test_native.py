@@ -130,3 +130,22 @@ def test_cpu_blas_native_divergence_is_undone_by_solo_replay(cpu_native_fp32):
         with Trace.open(out) as r:
             rep = fidelity(a, r, {}, 0.0, None)
             assert rep.tokens_equal and rep.logits_equal, rep.first_difference
+
+
+def test_browser_labels_native_kernels_with_their_class(gpu_like):
+    from divergence.tui.data import B, BrowseData
+
+    data = BrowseData.open(gpu_like / "serial.h5", gpu_like / "concurrent.h5")
+    try:
+        idx = data.steps(B)
+        idx.load_kernels()
+        big = idx.row(idx.row_of_step(8))  # r1 verify + r2 prefill: 158 rows
+        assert big.rows > 120
+        with Trace.open(gpu_like / "concurrent.h5") as b:
+            small_step = next(p.index for p in b.iter_plans() if p.model == "target" and p.rows == 4)
+        small = idx.row(idx.row_of_step(small_step))
+        for label in (big.kernels["attn"], small.kernels["attn"]):
+            assert label.startswith("native/") and len(label) == len("native/") + 4
+        assert big.kernels["attn"] != small.kernels["attn"]  # another kernel class
+    finally:
+        data.close()

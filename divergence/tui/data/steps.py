@@ -80,6 +80,14 @@ class _Lru(OrderedDict):
         return v
 
 
+def _tag(classes: np.ndarray) -> int:
+    """4 hex digits for a set of native class signatures: steps whose ops fall into the
+    same kernel classes show the same tag."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(np.ascontiguousarray(np.sort(classes)).tobytes()) & 0xFFFF
+
+
 def _compact(labels) -> str:
     """"gemm/2", "gemm/4", "gemv" -> "gemm/2,4 gemv": every kernel once, split-K counts merged."""
     kinds: dict[str, list[str]] = {}
@@ -151,6 +159,11 @@ class StepIndex:
             names = np.array([f"{kinds[c // 65536]}/{c % 65536}" if kinds[c // 65536] == "gemm" else kinds[c // 65536]
                               for c in code.tolist()])
             k["label"] = names[inv]
+            native = (kernel == "native") & (k["native_class"] != 0)
+            if native.any():  # the probed kernel class: "native/3fa2" (4 hex digits of its signature)
+                cls, cinv = np.unique(k["native_class"][native], return_inverse=True)
+                k["label"] = k["label"].astype(object)
+                k["label"][native] = np.array([f"native/{int(c) & 0xFFFF:04x}" for c in cls.tolist()])[cinv]
             self._bounds = (np.searchsorted(k["step"], self.index, "left"),
                             np.searchsorted(k["step"], self.index, "right"))
             self._kernels = k
@@ -167,8 +180,12 @@ class StepIndex:
             return None
         out = {}
         for name, ops in OP_CLASSES:
-            labels = k["label"][np.isin(k["op"], ops)]
+            sel = np.isin(k["op"], ops)
+            labels = k["label"][sel]
             out[name] = _compact(dict.fromkeys(labels.tolist())) if labels.size else ""
+            classes = np.unique(k["native_class"][sel & (k["native_class"] != 0)])
+            if classes.size > 1:  # one op class's ops each have a signature: show one tag for the set
+                out[name] = out[name].split("native/")[0] + f"native/{_tag(classes):04x}"
         return out
 
     def kernel_rows(self, row: int) -> list[KernelRow] | None:
