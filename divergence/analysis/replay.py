@@ -70,6 +70,16 @@ def describe_forced(forced: dict) -> dict[int, str]:
             for step, pol in forced.items()}
 
 
+def check_replayable(trace) -> None:
+    """Replay re-executes divergence's own engine: traces another engine recorded (e.g.
+    mlx-lm's BatchGenerator through divergence.mlxlm_batch) cannot be replayed."""
+    engine = trace.meta.get("settings", {}).get("engine")
+    if engine:
+        raise ReplayError(f"{trace.path} was recorded by {engine}; replay (and bisect --confirm) re-runs "
+                          f"divergence's own engine, so it cannot re-execute this trace (bisect without "
+                          f"--confirm still finds the root cause)")
+
+
 class Replayer:
     """Loads models once and replays traces made with them."""
 
@@ -96,6 +106,7 @@ class Replayer:
     def engine_for(self, trace, *, observers=()):
         from ..engine.engine import Engine
 
+        check_replayable(trace)
         meta = trace.meta
         s = meta["settings"]
         target = self._load(meta["model"], self.model_dir)

@@ -24,8 +24,11 @@ def main(args) -> int:
         replayer = bisector = None
         labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
         if args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
-            from ..analysis.replay import Replayer, make_confirmer, make_replay_bisector
+            from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
 
+            if args.confirm:
+                check_replayable(a)
+                check_replayable(b)
             engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
             replayer = make_confirmer(a, b, engine_replayer, *labels)
             bisector = make_replay_bisector(a, b, engine_replayer, *labels)

@@ -45,6 +45,8 @@ step op_rows_qwen05b.txt 60 python3 bench/op_rows.py --model /root/qwen05b --row
 step qwen05b_run.json 150 python3 -m divergence run --model /root/qwen05b --policy native --prompts $P --max-tokens 64 --ignore-eos --out $T/qwen05b --json
 step qwen05b_bisect.json 60 python3 -m divergence bisect $T/qwen05b/serial.h5 $T/qwen05b/concurrent.h5 --confirm --json
 step qwen05b_bisect.txt 30 python3 -m divergence bisect $T/qwen05b/serial.h5 $T/qwen05b/concurrent.h5 --confirm
+step bg_fixture.txt 60 python3 bench/batch_generator_trace.py --model fixtures/target --prompts $P --max-tokens 64 --out $T/bg_fixture --json $R/bg_fixture.json
+step bg_qwen05b.txt 90 python3 bench/batch_generator_trace.py --model /root/qwen05b --prompts $P --max-tokens 64 --out $T/bg_qwen05b --json $R/bg_qwen05b.json
 step probe_fixture.json 60 python3 -m divergence probe --model fixtures/target --rows 1..64 --json
 step probe_fixture.txt 20 python3 -m divergence probe --model fixtures/target --rows 1..64
 step probe_qwen05b.json 60 python3 -m divergence probe --model /root/qwen05b --rows 1..32 --json
