@@ -71,6 +71,11 @@ def _op(c: RootCause) -> str:
     return f" ({c.op})" if c.op else ""
 
 
+def _kernel(view: StepView, op: str = "") -> str:
+    """', kernel gemm/8 (k_proj)', or nothing where the trace records no kernels (another engine's)."""
+    return "" if view.kernel == "?" else f", kernel {view.kernel}{op}"
+
+
 def native_lines(c: RootCause) -> list[str]:
     """What the probed native kernel classes say about the cause step (native runs only)."""
     if c.kind == SAMPLER or not (c.a.native and c.b.native):
@@ -93,16 +98,16 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
         word = "position" if len(c.positions) == 1 else "positions"
         layer = f"layer {c.layer}, " if c.layer is not None else ""
         out.append(f"    root cause: {kind}, {layer}{word} {_span(c.positions)}:")
-        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
-        out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
+        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}{_kernel(c.b, _op(c))}")
+        out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     elif c.kind == STEP_COMPUTE:
         if c.layer is not None:  # a write of this very step differs: it diverged inside the step
             out.append(f"    root cause: {kind}: the cache written before this step was identical; inside the step "
                        f"the rows differ from layer {c.layer} on")
         else:
             out.append(f"    root cause: {kind}: the cache it read was identical;")
-        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}, kernel {c.b.kernel}{_op(c)}")
-        out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}, kernel {c.a.kernel}")
+        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}{_kernel(c.b, _op(c))}")
+        out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
     out += native_lines(c)
