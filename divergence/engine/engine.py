@@ -192,7 +192,7 @@ class _Run:
         e = self.e
         return RunInfo(schedule=self.schedule, policy=str(e.policy), settings=e.settings(), requests=self.requests,
                        model=e.target.describe(), draft=e.draft.describe() if e.draft else None,
-                       environment=environment(), vocab=e.vocab_pieces())
+                       environment=environment(), vocab=e.vocab_pieces() if e.observers else ())
 
     def execute(self) -> RunResult:
         e = self.e
