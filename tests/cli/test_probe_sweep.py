@@ -4,11 +4,9 @@ from __future__ import annotations
 import json
 
 import mlx.core as mx
-import pytest
 
 from divergence.cli.main import main
 from divergence.engine.dispatch import KernelDispatcher, KernelPolicy
-from divergence.engine.kernels import LinearOp
 from divergence.probe import OpProbe, classify, probe_linear
 
 
