@@ -109,16 +109,18 @@ def _kernel_label(kernel: str, splits: int) -> str:
 
 def step_kernels(trace, step: int) -> dict[str, str]:
     """op -> kernel label of one step (ops in forward order, lm_head last)."""
-    ks = trace.kernels(step=step)
+    return _labels(trace.kernels(step=step))
+
+
+def _labels(ks: dict) -> dict[str, str]:
     out: dict[str, str] = {}
     for op, kernel, splits in zip(ks["op"], ks["kernel"], ks["splits"]):
         out.setdefault(str(op), _kernel_label(str(kernel), int(splits)))
     return out
 
 
-def step_native_classes(trace, step: int) -> dict[str, tuple[int, int]]:
+def _native_classes(ks: dict) -> dict[str, tuple[int, int]]:
     """op -> (rows, native class signature) for the ops of one step that ran natively."""
-    ks = trace.kernels(step=step)
     out: dict[str, tuple[int, int]] = {}
     for op, rows, cls in zip(ks["op"], ks["rows"], ks["native_class"]):
         if int(cls):
@@ -135,7 +137,8 @@ def step_view(trace, step: int) -> StepView:
     plan = trace.step_plan(step)
     comp = [{"request_id": s.request_id, "phase": s.phase, "start": s.start, "count": s.count,
              "row_offset": s.row_offset} for s in plan.slices]
-    return StepView(step, plan.rows, comp, "?", step_kernels(trace, step), step_native_classes(trace, step))
+    ks = trace.kernels(step=step)  # read once: labels and native classes come from the same records
+    return StepView(step, plan.rows, comp, "?", _labels(ks), _native_classes(ks))
 
 
 def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from ...trace.reader import Trace
 from ...trace.schema import KERNELS as KERNEL_NAMES
@@ -83,8 +84,6 @@ class _Lru(OrderedDict):
 def _tag(classes: np.ndarray) -> int:
     """4 hex digits for a set of native class signatures: steps whose ops fall into the
     same kernel classes show the same tag."""
-    import xxhash
-
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(np.sort(classes)).tobytes()) & 0xFFFF
 
 
@@ -181,11 +180,13 @@ class StepIndex:
         out = {}
         for name, ops in OP_CLASSES:
             sel = np.isin(k["op"], ops)
-            labels = k["label"][sel]
-            out[name] = _compact(dict.fromkeys(labels.tolist())) if labels.size else ""
-            classes = np.unique(k["native_class"][sel & (k["native_class"] != 0)])
+            native = sel & (k["native_class"] != 0)
+            classes = np.unique(k["native_class"][native])
             if classes.size > 1:  # one op class's ops each have a signature: show one tag for the set
-                out[name] = out[name].split("native/")[0] + f"native/{_tag(classes):04x}"
+                labels = k["label"][sel & ~native].tolist() + [f"native/{_tag(classes):04x}"]
+            else:
+                labels = k["label"][sel].tolist()
+            out[name] = _compact(dict.fromkeys(labels)) if labels else ""
         return out
 
     def kernel_rows(self, row: int) -> list[KernelRow] | None:
