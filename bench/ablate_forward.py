@@ -45,7 +45,7 @@ import divergence.engine.forward as F
 import divergence.engine.sampling as S
 from divergence.engine.engine import Engine
 from divergence.engine.forward import StepOutput
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 ORIGINAL = F.PackedForward.__call__
 ORIG_GREEDY = S.greedy_rows

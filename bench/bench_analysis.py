@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from divergence.engine.events import KvWrite, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
-from divergence.engine.request import Request
+from divergence.core.events import KvWrite, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
+from divergence.core.request import Request
 from divergence.trace.writer import TraceWriter
 
 RESULTS = Path(__file__).parent / "results"

@@ -34,7 +34,7 @@ from common import mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
 from divergence.engine.engine import Engine
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 GOAL_B1 = 0.9
 GOAL_B8 = 1.0

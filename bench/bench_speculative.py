@@ -33,7 +33,7 @@ from common import mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 
 from divergence.engine.engine import Engine
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 SPEC = dict(prompts=4, prompt=24, tokens=64, reps=3)
 SPEC_QUICK = dict(prompts=3, prompt=24, tokens=32, reps=3)

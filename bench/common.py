@@ -31,7 +31,7 @@ except Exception:  # pragma: no cover
     pass
 import mlx.core as mx  # noqa: E402
 
-from divergence.engine.events import PREFILL, TARGET, Observer  # noqa: E402
+from divergence.core.events import PREFILL, TARGET, Observer  # noqa: E402
 
 # Shapes of the models the scripts know (the fixture's are read from its config).
 QWEN05B = dict(model_type="qwen2", hidden_size=896, num_layers=24, heads=14, kv_heads=2,

@@ -36,7 +36,7 @@ import divergence.engine.engine as E
 import divergence.engine.forward as F
 import divergence.engine.sampling as S
 from divergence.engine.engine import Engine
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 SIZES = {"fixture": dict(prompt=16, tokens=48, reps=3), "qwen0.5b": dict(prompt=16, tokens=8, reps=3)}
 

@@ -1,18 +1,36 @@
 """divergence: find out why an LLM inference engine's output changes when requests are batched.
 
-Importing this package does not import MLX; the engine loads it (after the
-optimized BLAS, see divergence.blas) when first used.
+Importing this package imports neither MLX nor a BLAS. The public names are
+loaded on first use: `Trace` (reading traces: numpy and h5py only), and
+`load_model`, `Engine`, `Request` (the engine, which loads the optimized BLAS
+before MLX, see divergence.blas).
 """
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
-__all__ = ["Trace", "__version__"]
+# public name -> module that defines it (imported lazily, PEP 562)
+_LAZY = {
+    "Trace": "divergence.trace.reader",
+    "Request": "divergence.core.request",
+    "Sampling": "divergence.core.request",
+    "load_model": "divergence.engine.model",
+    "Engine": "divergence.engine.engine",
+}
+
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name):
-    if name == "Trace":
-        from .trace.reader import Trace
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'divergence' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return Trace
-    raise AttributeError(name)
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -26,15 +26,15 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models import cache as mlx_cache
 
+from .core.events import DECODE, PREFILL, TARGET, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
+from .core.names import BASE_SCHEDULES as SCHEDULES  # BatchGenerator has no warm schedule
+from .core.request import Request
 from .engine import sampling as smp
 from .engine.environment import environment
-from .engine.events import DECODE, PREFILL, TARGET, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
 from .engine.model import LoadedModel
 from .engine.model_state import kv_writes
-from .engine.request import Request
 
 ENGINE_NAME = "mlx-lm BatchGenerator"
-SCHEDULES = ("serial", "concurrent")
 
 
 class _Tap:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .engine.request import Request, Sampling
+from .core.request import Request, Sampling
 from .errors import PromptError
 
 KNOWN_KEYS = {"id", "prompt", "tokens", "max_tokens", "arrival", "temperature", "top_p", "seed"}

@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engine.events import Observer
+from .core.events import Observer
 
 
 @dataclass

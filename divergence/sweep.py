@@ -11,7 +11,7 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .engine.request import Request
+from .core.request import Request
 from .errors import PromptError
 
 FILLERS = [

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.labels import kernel_label
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
 
 CACHE_CONTAMINATION = "cache_contamination"
@@ -103,10 +104,6 @@ class BisectReport:
         return j
 
 
-def _kernel_label(kernel: str, splits: int) -> str:
-    return f"{kernel}/{splits}" if kernel == "gemm" else kernel
-
-
 def step_kernels(trace, step: int) -> dict[str, str]:
     """op -> kernel label of one step (ops in forward order, lm_head last)."""
     return _labels(trace.kernels(step=step))
@@ -115,7 +112,7 @@ def step_kernels(trace, step: int) -> dict[str, str]:
 def _labels(ks: dict) -> dict[str, str]:
     out: dict[str, str] = {}
     for op, kernel, splits in zip(ks["op"], ks["kernel"], ks["splits"]):
-        out.setdefault(str(op), _kernel_label(str(kernel), int(splits)))
+        out.setdefault(str(op), kernel_label(str(kernel), int(splits)))
     return out
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine.request import WARMUP_PREFIX
+from ..core.request import WARMUP_PREFIX
 from ..errors import TraceMismatchError
 
 IDENTICAL = "identical"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.labels import label_policy
 from ..errors import PolicyError, ReplayError
 from .diff import DiffReport, diff_traces
 
@@ -42,8 +43,8 @@ class ReplayReport:
 
 def parse_force(items) -> dict:
     """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}."""
-    from ..engine.events import LINEAR_OPS
-    from ..policy import SOLO, SOLO_NAME, KernelPolicy
+    from ..core.events import LINEAR_OPS
+    from ..core.policy import SOLO, SOLO_NAME, KernelPolicy
 
     out: dict = {}
     for item in items or ():
@@ -189,22 +190,17 @@ def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> Repla
         return Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced)
 
 
-def policy_for_label(label: str) -> str:
-    """A recorded kernel label ('gemv', 'gemm/4', 'native') as a forcible policy."""
-    return label.replace("gemm/", "gemm:")
-
-
 def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     """Force a B step to run every op with the kernel A's step used for it. A `native`
     op that A ran on one row is forced to `gemv` (the native op one row at a time): on
     a backend whose native kernel depends on the row count, that is A's kernel."""
-    from ..policy import KernelPolicy
+    from ..core.policy import KernelPolicy
 
     out = {}
     for op, lbl in a_step_kernels.items():
         if lbl == "native" and a_rows is not None and a_rows.get(op) == 1:
             lbl = "gemv"
-        out[op] = KernelPolicy.parse(policy_for_label(lbl))
+        out[op] = KernelPolicy.parse(label_policy(lbl))
     return out
 
 
@@ -213,7 +209,7 @@ def force_like_a(a, step_a: int, b, step_b: int):
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
     the batch itself, so run each request of the step alone (SOLO), as A's did."""
-    from ..policy import SOLO
+    from ..core.policy import SOLO
     from .bisect import step_kernels
 
     ka = step_kernels(a, step_a)
@@ -223,7 +219,7 @@ def force_like_a(a, step_a: int, b, step_b: int):
 
 
 def _forcing_words(forced: dict, label_a: str) -> str:
-    from ..policy import SoloStep
+    from ..core.policy import SoloStep
 
     steps = sorted(forced)
     shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")

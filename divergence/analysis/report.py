@@ -1,6 +1,7 @@
 """Human text for diff and bisect reports: one renderer for the CLI, the pytest plugin and the TUI."""
 from __future__ import annotations
 
+from ..core.labels import composition_text
 from .bisect import CACHE_CONTAMINATION, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 
@@ -27,9 +28,8 @@ def _span(positions: list[int]) -> str:
     return ", ".join(map(str, positions[:8])) + (" ..." if len(positions) > 8 else "")
 
 
-def composition_text(view: StepView) -> str:
-    parts = [f"{c['request_id']} {c['phase']}[{c['start']}:{c['start'] + c['count']}]" for c in view.composition]
-    return f"{_rows(view.rows)} = " + " + ".join(parts)
+def step_text(view: StepView) -> str:
+    return f"{_rows(view.rows)} = " + composition_text(view.composition)
 
 
 def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
@@ -98,7 +98,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
         word = "position" if len(c.positions) == 1 else "positions"
         layer = f"layer {c.layer}, " if c.layer is not None else ""
         out.append(f"    root cause: {kind}, {layer}{word} {_span(c.positions)}:")
-        out.append(f"      written in {label_b} step {c.b.step}: {composition_text(c.b)}{_kernel(c.b, _op(c))}")
+        out.append(f"      written in {label_b} step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     elif c.kind == STEP_COMPUTE:
         if c.layer is not None:  # a write of this very step differs: it diverged inside the step
@@ -106,7 +106,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
                        f"the rows differ from layer {c.layer} on")
         else:
             out.append(f"    root cause: {kind}: the cache it read was identical;")
-        out.append(f"      {label_b} step {c.b.step}: {composition_text(c.b)}{_kernel(c.b, _op(c))}")
+        out.append(f"      {label_b} step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")

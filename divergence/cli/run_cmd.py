@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
 def main(args) -> int:
     from ..analysis.diff import diff_traces
     from ..engine.dispatch import KernelPolicy
-    from ..engine.scheduler import SCHEDULES
+    from ..core.names import SCHEDULES
     from ..prompts import builtin_requests, load_prompts
     from ..runner import RunConfig, load_models, run_schedules
     from ..trace.reader import Trace
@@ -41,7 +41,7 @@ def main(args) -> int:
     demo = args.model is None
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
-        if s not in SCHEDULES + ("warm",):
+        if s not in SCHEDULES:
             raise PromptError(f"unknown schedule {s!r} (expected serial, concurrent or warm)")
     if len(set(schedules)) != len(schedules) or not schedules:
         raise PromptError("--schedules needs distinct schedule names")

@@ -11,10 +11,10 @@ from typing import Callable
 import mlx.core as mx
 
 from . import kernels
-from .events import KernelChoice
+from ..core.events import KernelChoice
 from .kernels import LinearOp
 from .native_classes import NativeClassProbe
-from ..policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
+from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
 

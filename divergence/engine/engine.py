@@ -14,7 +14,7 @@ import numpy as np
 from ..errors import PromptError
 from . import sampling as smp
 from .dispatch import KernelPolicy
-from .events import (
+from ..core.events import (
     DECODE,
     DRAFT,
     DRAFT_MODEL,
@@ -35,8 +35,11 @@ from .events import (
 )
 from .forward import PackedForward
 from .model import LoadedModel
-from .request import WARMUP_PREFIX, Request, Sequence
-from .scheduler import CONCURRENT, SCHEDULES, SERIAL, WARM, Scheduler, Work
+from ..core.names import WARMUP_PREFIX
+from ..core.request import Request
+from .sequence import Sequence
+from ..core.names import CONCURRENT, SCHEDULES, SERIAL, WARM
+from .scheduler import Scheduler, Work
 from .environment import environment
 from .results import RequestOutput, RunResult
 from .model_state import ModelState, kv_writes
@@ -126,8 +129,8 @@ class Engine:
     def run(self, requests: list[Request], schedule: str = "serial", *, strict: bool = True) -> RunResult:
         """Run requests under a schedule. strict: a bad request raises PromptError;
         otherwise it is reported in its output and the others run."""
-        if schedule not in SCHEDULES + (WARM,):
-            raise PromptError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES + (WARM,))})")
+        if schedule not in SCHEDULES:
+            raise PromptError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise PromptError("request ids must be unique")

@@ -15,7 +15,7 @@ import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from .dispatch import KernelDispatcher
-from .events import StepPlan
+from ..core.events import StepPlan
 from .kernels import LinearOp
 from .kv_cache import BlockManager, PagedKVCache
 from .model import LoadedModel

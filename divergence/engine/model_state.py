@@ -8,9 +8,9 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from ..policy import KernelPolicy
+from ..core.policy import KernelPolicy
 from .dispatch import KernelDispatcher
-from .events import KvWrite, StepPlan
+from ..core.events import KvWrite, StepPlan
 from .forward import PackedForward, StepOutput
 from .kv_cache import BlockManager
 from .model import LoadedModel
@@ -51,7 +51,7 @@ def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWr
     """The step's KV writes, one per (slice, layer), with per-position hashes of the
     exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order. Hashed
     for the whole step at once (per slice was measurably slower)."""
-    from ..trace.hashing import hash_rows
+    from ..core.hashing import hash_rows
 
     layers, rows = k.shape[0], k.shape[1]
     kh = hash_rows(raw_bytes(k.reshape(layers * rows, -1))).reshape(layers, rows)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from . import sampling as smp
 from .dispatch import KernelPolicy
 from .engine import Engine, RequestOutput, RunResult, _Run
-from .events import DRAFT_MODEL, PREFILL, RequestEvent, StepEvent, StepPlan, TokenEvent
-from .request import Request, Sequence
+from ..core.events import DRAFT_MODEL, PREFILL, RequestEvent, StepEvent, StepPlan, TokenEvent
+from ..core.request import Request
+from .sequence import Sequence
 
 
 @dataclass(frozen=True)

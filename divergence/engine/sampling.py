@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .request import Sampling
+from ..core.request import Sampling
 
 PURPOSE_SAMPLE = 0
 PURPOSE_ACCEPT = 1

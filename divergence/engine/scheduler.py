@@ -12,12 +12,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from .kv_cache import BlockManager
-from .request import Sequence
+from .sequence import Sequence
 
-SERIAL = "serial"
-CONCURRENT = "concurrent"
-SCHEDULES = (SERIAL, CONCURRENT)
-WARM = "warm"  # serial on a prefix cache pre-filled by a batched warm-up (see engine)
+from ..core.names import BASE_SCHEDULES, CONCURRENT, SERIAL
 
 
 @dataclass
@@ -31,7 +28,7 @@ class Work:
 class Scheduler:
     def __init__(self, seqs: list[Sequence], *, schedule: str, token_budget: int, blocks: BlockManager,
                  reserve_extra: int = 0):
-        assert schedule in SCHEDULES
+        assert schedule in BASE_SCHEDULES
         self.schedule_name = schedule
         self.budget = token_budget
         self.blocks = blocks

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import sampling as smp
-from .request import Sampling
+from ..core.request import Sampling
 
 
 @dataclass

@@ -13,11 +13,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..core.names import BASE_SCHEDULES, SCHEDULES
 from ..errors import DivergenceInputError, ModelLoadError, PolicyError, PromptError
 from .failure import Comparison, RunSummary, failure_text
 from .settings import DEFAULT_MAX_TOKENS, DEFAULT_POLICY, DEFAULT_TOP_K, check_policy
 
-SCHEDULES = ("serial", "concurrent", "warm")
 DEFAULT_TOKEN_BUDGET = 256
 
 
@@ -59,7 +59,7 @@ def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None):
     return comparison.report
 
 
-def assert_reproducible(model, prompts, *, schedules=("serial", "concurrent"), policy=None, spec_k=None,
+def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None, spec_k=None,
                         max_tokens: int = DEFAULT_MAX_TOKENS, draft=None, top_k=None, token_budget=None,
                         dtype: str | None = None, stop_at_eos=None, confirm: bool = True, out_dir=None,
                         keep: bool = False):
@@ -330,7 +330,7 @@ def _is_token_list(x) -> bool:
 
 def _requests(items, encode, max_tokens: int) -> list:
     __tracebackhide__ = True
-    from ..engine.request import Request
+    from ..core.request import Request
     from ..prompts import request_from_dict
 
     out = []

@@ -1,6 +1,6 @@
 """The plugin's settings (ini keys and options), checked once at configure time.
 
-Deliberately free of MLX and of the engine (policies come from the mlx-free divergence.policy): pytest
+Deliberately free of MLX and of the engine (policies come from the mlx-free divergence.core.policy): pytest
 imports the plugin in every project of an environment where divergence is installed.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..policy import KernelPolicy  # mlx-free, outside the engine package (which loads BLAS)
+from ..core.policy import KernelPolicy  # mlx-free, outside the engine package (which loads BLAS)
 from ..errors import DivergenceInputError, PolicyError
 
 DEFAULT_POLICY = "native"

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import h5py
 import numpy as np
 
-from ..engine.events import SeqSlice, StepPlan
-from ..engine.request import Sampling
+from ..core.events import SeqSlice, StepPlan
+from ..core.request import Sampling
 from ..errors import TraceError
 from . import schema as S
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..core import names
+from ..core.hashing import HASH_NAME  # noqa: F401  (the hash the kv tables hold)
+
 FORMAT = "divergence-trace"
 SCHEMA_VERSION = 1
 
-MODELS = ("target", "draft")
-PHASES = ("prefill", "decode", "verify", "draft")
-KERNELS = ("native", "gemv", "gemm", "batch-invariant")
-OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-REQUEST_EVENTS = ("arrived", "finished", "error")
+# Code tables, stored in each file's attrs (readers decode with the file's own tables).
+MODELS = names.MODELS
+PHASES = names.PHASES
+KERNELS = names.KERNELS
+OPS = names.OPS
+REQUEST_EVENTS = names.REQUEST_EVENTS
 
 STATUS = "status"  # int8 [1]: 0 running (or killed), 1 completed
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..engine.events import KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
+from ..core.events import KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
 from . import schema as S
 
 FLUSH_SECONDS = 0.5
@@ -96,7 +96,7 @@ class TraceWriter(Observer):
         f.attrs["policy"] = info.policy
         f.attrs["top_k"] = self.top_k
         f.attrs["kv_hashes"] = bool(self.wants_kv_hashes)
-        f.attrs["kv_hash"] = "xxh3_64"
+        f.attrs["kv_hash"] = S.HASH_NAME
         f.attrs["models"] = list(S.MODELS)
         f.attrs["phases"] = list(S.PHASES)
         f.attrs["kernels"] = list(S.KERNELS)

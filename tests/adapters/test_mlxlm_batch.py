@@ -14,7 +14,7 @@ import pytest
 
 from divergence import Trace
 from divergence.cli.main import main
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 PROMPTS = ["The socket module provides", "Return the number of", "This function is deprecated since",
            "Create a new thread", "Raise an exception if the"]

@@ -9,10 +9,10 @@ from divergence import Trace
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.diff import check_comparable, diff_traces
 from divergence.cli.main import main
-from divergence.engine.events import (
+from divergence.core.events import (
     KernelChoice, KvWrite, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent,
 )
-from divergence.engine.request import Request, Sampling
+from divergence.core.request import Request, Sampling
 from divergence.errors import TraceMismatchError
 from divergence.trace.writer import TraceWriter
 

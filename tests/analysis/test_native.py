@@ -81,7 +81,7 @@ def test_bisect_names_the_class_change_and_solo_replay_confirms(gpu_like, capsys
 
 def test_solo_force_is_a_whole_step_mode(gpu_like, capsys):
     from divergence.analysis.replay import parse_force
-    from divergence.policy import SOLO
+    from divergence.core.policy import SOLO
     from divergence.errors import PolicyError
 
     assert parse_force(["8:solo"]) == {8: SOLO}

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from divergence.engine.engine import Engine
-from divergence.engine.events import Observer
-from divergence.engine.request import Request
+from divergence.core.events import Observer
+from divergence.core.request import Request
 from divergence.prompts import DEMO_R2_PROMPT
 
 

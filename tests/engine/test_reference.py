@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from divergence.engine.engine import Engine
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 N_TOKENS = 48
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from divergence.engine.engine import Engine
-from divergence.engine.events import Observer
-from divergence.engine.request import Request
+from divergence.core.events import Observer
+from divergence.core.request import Request
 from divergence.errors import ModelLoadError, PolicyError, PromptError, UnsupportedModelError
 
 
@@ -82,7 +82,7 @@ def test_serial_runs_one_request_at_a_time_in_arrival_order(target, prompts):
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(target, prompts):
-    from divergence.engine.request import Sampling
+    from divergence.core.request import Sampling
 
     reqs = [Request(f"r{i}", tuple(target.encode(p)), max_tokens=16, arrival=i,
                     sampling=Sampling(temperature=0.9, top_p=0.95, seed=i)) for i, p in enumerate(prompts[:4])]

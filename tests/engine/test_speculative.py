@@ -8,8 +8,8 @@ from mlx_lm.generate import speculative_generate_step
 
 from divergence.engine import sampling as smp
 from divergence.engine.engine import Engine
-from divergence.engine.events import Observer
-from divergence.engine.request import Request, Sampling
+from divergence.core.events import Observer
+from divergence.core.request import Request, Sampling
 from divergence.engine.speculative import Proposal, accept_sampled
 
 

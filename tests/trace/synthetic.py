@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from divergence.engine.events import (
+from divergence.core.events import (
     KernelChoice, KvWrite, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent,
 )
-from divergence.engine.request import Request, Sampling
+from divergence.core.request import Request, Sampling
 
 REQUESTS = [Request("r1", (1, 2, 3), max_tokens=4, arrival=0), Request("r2", (4, 5), max_tokens=3, arrival=1,
                                                                         sampling=Sampling(0.7, 0.9, 11))]

@@ -6,8 +6,8 @@ import numpy as np
 
 from divergence import Trace
 from divergence.engine.engine import Engine
-from divergence.engine.events import Observer
-from divergence.engine.request import Request
+from divergence.core.events import Observer
+from divergence.core.request import Request
 from divergence.trace.writer import TraceWriter
 
 

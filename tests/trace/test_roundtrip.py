@@ -45,7 +45,7 @@ def test_round_trip(tmp_path):
 
 
 def test_live_kv_picks_the_write_after_a_rollback(tmp_path):
-    from divergence.engine.events import KvWrite, StepEvent, StepPlan, SeqSlice
+    from divergence.core.events import KvWrite, StepEvent, StepPlan, SeqSlice
     from .synthetic import info
 
     path = tmp_path / "t.h5"

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from divergence.engine.events import (
+from divergence.core.events import (
     KernelChoice, KvWrite, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent,
 )
-from divergence.engine.request import Request
+from divergence.core.request import Request
 
 WORDS = ["<s>", "</s>", "\n", "\t", " the", " number", " of", " items", " in", " a", " container", ".",
          " Return", " list", " sorted", " key", " function", " can", " be", " supplied", " to", " order",

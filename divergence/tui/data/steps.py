@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from ...core.labels import compact_labels, composition_text, kernel_label
 from ...trace.reader import Trace
 from ...trace.schema import KERNELS as KERNEL_NAMES
 from .text import span_text
@@ -87,17 +88,6 @@ def _tag(classes: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(np.ascontiguousarray(np.sort(classes)).tobytes()) & 0xFFFF
 
 
-def _compact(labels) -> str:
-    """"gemm/2", "gemm/4", "gemv" -> "gemm/2,4 gemv": every kernel once, split-K counts merged."""
-    kinds: dict[str, list[str]] = {}
-    for lab in labels:
-        kind, _, splits = lab.partition("/")
-        kinds.setdefault(kind, [])
-        if splits:
-            kinds[kind].append(splits)
-    return " ".join(k + ("/" + ",".join(v) if v else "") for k, v in kinds.items())
-
-
 class StepIndex:
     """One trace's steps, for a timeline of any length: columns read once, rows built on demand."""
 
@@ -155,8 +145,7 @@ class StepIndex:
                 kinv[rest] = len(kinds) + extra_inv
                 kinds += [str(x) for x in extra]
             code, inv = np.unique(kinv * 65536 + k["splits"], return_inverse=True)
-            names = np.array([f"{kinds[c // 65536]}/{c % 65536}" if kinds[c // 65536] == "gemm" else kinds[c // 65536]
-                              for c in code.tolist()])
+            names = np.array([kernel_label(kinds[c // 65536], c % 65536) for c in code.tolist()])
             k["label"] = names[inv]
             native = (kernel == "native") & (k["native_class"] != 0)
             if native.any():  # the probed kernel class: "native/3fa2" (4 hex digits of its signature)
@@ -186,7 +175,7 @@ class StepIndex:
                 labels = k["label"][sel & ~native].tolist() + [f"native/{_tag(classes):04x}"]
             else:
                 labels = k["label"][sel].tolist()
-            out[name] = _compact(dict.fromkeys(labels)) if labels else ""
+            out[name] = compact_labels(dict.fromkeys(labels)) if labels else ""
         return out
 
     def kernel_rows(self, row: int) -> list[KernelRow] | None:
@@ -206,6 +195,6 @@ class StepIndex:
     def row(self, row: int) -> StepRow:
         step = int(self.index[row])
         plan = self.plan(step)
-        comp = " + ".join(f"{s.request_id} {s.phase}[{s.start}:{s.start + s.count}]" for s in plan.slices)
+        comp = composition_text(plan.slices)
         return StepRow(step, plan.model, int(self.rows[row]), float(self.duration[row]) * 1e3, comp,
                        list(dict.fromkeys(plan.request_ids)), self.kernel_summary(row))

@@ -1,8 +1,8 @@
 """What the engine tells the world: plans of each step and what happened in them.
 
 Data flows one way: scheduler -> StepPlan -> forward -> sampler -> these events
--> observers (the trace writer, progress bars). Nothing here imports mlx, so the
-trace and analysis layers can use these types without the engine.
+-> observers (the trace writer, progress bars). Numpy only (the core), so the
+trace and analysis layers use these types without the engine.
 """
 from __future__ import annotations
 
@@ -11,24 +11,9 @@ from typing import Sequence
 
 import numpy as np
 
-# Phases of a sequence slice inside one packed step.
-PREFILL = "prefill"
-DECODE = "decode"
-VERIFY = "verify"  # target scores k draft proposals + 1 (k+1 rows)
-DRAFT = "draft"  # the draft model proposes (its own forward pass)
-PHASES = (PREFILL, DECODE, VERIFY, DRAFT)
-
-TARGET = "target"
-DRAFT_MODEL = "draft"
-MODELS = (TARGET, DRAFT_MODEL)
-
-# How a generated token came to be (TokenEvent.spec).
-SPEC_NONE = 0  # plain decoding, no draft involved
-SPEC_ACCEPTED = 1  # a draft proposal the target accepted
-SPEC_CORRECTED = 2  # the target's own token after a rejection, or the bonus token
-
-# Linear ops that go through kernel dispatch, in forward order.
-LINEAR_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+from .names import (  # noqa: F401  (re-exported: the event vocabulary)
+    DECODE, DRAFT, DRAFT_MODEL, LINEAR_OPS, PREFILL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY,
+)
 
 
 @dataclass(frozen=True)

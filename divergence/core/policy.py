@@ -1,16 +1,11 @@
-"""Kernel names and policies: which kernel a row count gets. No mlx here, so the
-pytest plugin and the analysis can parse policies without loading a backend."""
+"""Kernel policies: which kernel a row count gets. Part of the numpy-only core, so
+the pytest plugin and the analysis parse policies without loading a backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import PolicyError
-
-NATIVE = "native"
-GEMV = "gemv"
-GEMM = "gemm"
-BATCH_INVARIANT = "batch-invariant"
-KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT)
+from ..errors import PolicyError
+from .names import BATCH_INVARIANT, GEMM, GEMV, KERNELS, NATIVE  # noqa: F401  (re-exported)
 
 POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS"
 

@@ -1,0 +1,45 @@
+"""The name tables, in one place: trace/schema.py stores them as code tables, the
+engine, the scheduler, the policies and the analysis read them from here."""
+from __future__ import annotations
+
+# Phases of a sequence slice inside one packed step.
+PREFILL = "prefill"
+DECODE = "decode"
+VERIFY = "verify"  # target scores k draft proposals + 1 (k+1 rows)
+DRAFT = "draft"  # the draft model proposes (its own forward pass)
+PHASES = (PREFILL, DECODE, VERIFY, DRAFT)
+
+# Which model ran a forward pass.
+TARGET = "target"
+DRAFT_MODEL = "draft"
+MODELS = (TARGET, DRAFT_MODEL)
+
+# How a generated token came to be (TokenEvent.spec).
+SPEC_NONE = 0  # plain decoding, no draft involved
+SPEC_ACCEPTED = 1  # a draft proposal the target accepted
+SPEC_CORRECTED = 2  # the target's own token after a rejection, or the bonus token
+
+# Linear ops that go through kernel dispatch, in forward order.
+LINEAR_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+OPS = LINEAR_OPS
+
+# Kernels of the linear ops.
+NATIVE = "native"
+GEMV = "gemv"
+GEMM = "gemm"
+BATCH_INVARIANT = "batch-invariant"
+KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT)
+
+# Schedules: serial (one request at a time), concurrent (continuous batching), and
+# warm (serial on a prefix cache pre-filled by a batched warm-up of the same prompts).
+SERIAL = "serial"
+CONCURRENT = "concurrent"
+WARM = "warm"
+BASE_SCHEDULES = (SERIAL, CONCURRENT)  # what a Scheduler runs directly
+SCHEDULES = (SERIAL, CONCURRENT, WARM)  # what a run may ask for
+
+# Ids of the requests that pre-fill the prefix cache in the `warm` schedule.
+WARMUP_PREFIX = "warmup/"
+
+# Lifecycle events of a request.
+REQUEST_EVENTS = ("arrived", "finished", "error")

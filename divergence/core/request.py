@@ -1,0 +1,42 @@
+"""A request as the user states it: prompt tokens, length, arrival and sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import PromptError
+from .names import WARMUP_PREFIX  # noqa: F401  (re-exported)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one request. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a user asks for: a prompt (as token ids) and how much to generate."""
+
+    id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int = 64
+    arrival: int = 0  # engine step at which it arrives (concurrent schedule)
+    sampling: Sampling = Sampling()
+    prompt_text: str | None = None
+
+    def __post_init__(self):
+        if not self.id:
+            raise PromptError("a request needs a non-empty id")
+        if len(self.prompt_tokens) == 0:
+            raise PromptError(f"request {self.id!r}: the prompt is empty")
+        if self.max_tokens < 1:
+            raise PromptError(f"request {self.id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.arrival < 0:
+            raise PromptError(f"request {self.id!r}: arrival must be >= 0, got {self.arrival}")
