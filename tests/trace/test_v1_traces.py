@@ -37,7 +37,8 @@ def test_v1_pair_diffs_and_bisects(capsys):
     assert d["requests"][0]["first_divergent_token"]["position"] == 127
     assert main(["bisect", a, b, "--confirm", "--model", str(FIXTURES / "target"),
                  "--draft", str(FIXTURES / "draft"), "--json"]) == 1
-    rc = json.loads(capsys.readouterr().out)["requests"][0]["root_cause"]
+    r1 = json.loads(capsys.readouterr().out)["requests"][0]
+    rc = r1["root_cause"]
     assert (rc["kind"], rc["layer"], rc["step_b"], rc["rows_b"], rc["kernel_a"], rc["kernel_b"]) == \
            ("cache_contamination", 0, 8, 158, "gemv", "gemm/8")
-    assert rc["confirmed"] is True
+    assert r1["confirmed"] is True
