@@ -37,3 +37,8 @@ class TraceMismatchError(DivergenceInputError):
 
 class ReplayError(DivergenceInputError):
     """A trace cannot be replayed (e.g. the model's weights changed)."""
+
+
+class RecordError(DivergenceInputError):
+    """A record another engine gave (divergence.record, `divergence import`) breaks the
+    recording contract (docs/recording.md): missing field, wrong type, unknown request..."""

@@ -43,3 +43,7 @@ WARMUP_PREFIX = "warmup/"
 
 # Lifecycle events of a request.
 REQUEST_EVENTS = ("arrived", "finished", "error")
+
+# Record kinds of the recording contract another engine follows (divergence.record,
+# `divergence import`, docs/recording.md), in the order a step's records come.
+RECORD_KINDS = ("run", "request", "step", "kernel", "kv_write", "token", "finish")

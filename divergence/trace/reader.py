@@ -228,10 +228,21 @@ class Trace:
             sel = t["step"] == step
             t = {k: v[sel] for k, v in t.items()}
         out = dict(t)
-        out["op"] = np.array(S.OPS)[t["op"]]
-        out["kernel"] = np.array(S.KERNELS)[t["kernel"]]
+        out["op"] = self._names("ops", S.OPS)[t["op"]]
+        out["kernel"] = self._names("kernels", S.KERNELS)[t["kernel"]]
         out["model"] = np.array(S.MODELS)[t["model"]]
         return out
+
+    def _names(self, attr: str, default: tuple) -> np.ndarray:
+        """A code table as the file stores it (traces of other engines extend the core's)."""
+        v = self.f.attrs.get(attr)
+        return np.array([x.decode() if isinstance(x, bytes) else str(x) for x in v] if v is not None else default)
+
+    @property
+    def kv_hash(self) -> str:
+        """Name of the 64-bit hash in /kv (xxh3_64 for this engine's traces)."""
+        v = self.f.attrs.get("kv_hash", S.HASH_NAME)
+        return v.decode() if isinstance(v, bytes) else str(v)
 
     @cached_property
     def _all_kernels(self) -> dict[str, np.ndarray]:

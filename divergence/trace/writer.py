@@ -68,10 +68,19 @@ class TraceWriter(Observer):
     wants_kernels = True
     wants_topk = True
 
-    def __init__(self, path, *, top_k: int = 8, kv_hashes: bool = True):
+    def __init__(self, path, *, top_k: int = 8, kv_hashes: bool = True, kv_hash: str = S.HASH_NAME,
+                 ops=(), kernels=()):
+        """kv_hash: the name of the 64-bit hash in /kv (another engine may use its own);
+        ops / kernels: names beyond the core tables (another engine's own op and kernel
+        labels), appended to the file's code tables: readers decode with the file's tables."""
         self.path = Path(path)
         self.top_k = top_k
         self.wants_kv_hashes = kv_hashes
+        self.kv_hash = kv_hash
+        self.ops = list(S.OPS) + [o for o in dict.fromkeys(ops) if o not in S.OPS]
+        self.kernels = list(S.KERNELS) + [k for k in dict.fromkeys(kernels) if k not in S.KERNELS]
+        self._op_code = {o: i for i, o in enumerate(self.ops)}
+        self._kernel_code = {k: i for i, k in enumerate(self.kernels)}
         self.f: h5py.File | None = None
         self.tables: dict[str, _Columns] = {}
         self._req_index: dict[str, int] = {}
@@ -96,11 +105,11 @@ class TraceWriter(Observer):
         f.attrs["policy"] = info.policy
         f.attrs["top_k"] = self.top_k
         f.attrs["kv_hashes"] = bool(self.wants_kv_hashes)
-        f.attrs["kv_hash"] = S.HASH_NAME
+        f.attrs["kv_hash"] = self.kv_hash
         f.attrs["models"] = list(S.MODELS)
         f.attrs["phases"] = list(S.PHASES)
-        f.attrs["kernels"] = list(S.KERNELS)
-        f.attrs["ops"] = list(S.OPS)
+        f.attrs["kernels"] = self.kernels
+        f.attrs["ops"] = self.ops
         f.attrs["kinds"] = list(S.REQUEST_EVENTS)
         meta = f.create_group(S.META)
         meta.attrs["settings"] = _json(info.settings)
@@ -160,8 +169,8 @@ class TraceWriter(Observer):
 
     # -- events ----------------------------------------------------------------------
     def on_kernel(self, c: KernelChoice) -> None:
-        self.tables["kernels"].add(step=c.step, model=S.MODELS.index(c.model), layer=c.layer, op=S.OPS.index(c.op),
-                                   rows=c.rows, kernel=S.KERNELS.index(c.kernel), m=c.m, n=c.n, k=c.k,
+        self.tables["kernels"].add(step=c.step, model=S.MODELS.index(c.model), layer=c.layer, op=self._op_code[c.op],
+                                   rows=c.rows, kernel=self._kernel_code[c.kernel], m=c.m, n=c.n, k=c.k,
                                    splits=c.splits, native_class=c.native_class)
 
     def on_kv_write(self, w: KvWrite) -> None:

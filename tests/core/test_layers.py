@@ -14,7 +14,8 @@ import divergence
 PKG = Path(divergence.__file__).parent
 
 # modules that must never import divergence.engine (replay is analysis's one door to it)
-ENGINE_FREE = ["core", "trace", "analysis", "tui", "testing/plugin.py", "testing/settings.py", "errors.py"]
+ENGINE_FREE = ["core", "trace", "analysis", "tui", "testing/plugin.py", "testing/settings.py", "errors.py", "record",
+               "cli/import_cmd.py"]
 ENGINE_DOORS = {"analysis/replay.py"}
 
 

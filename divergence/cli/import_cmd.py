@@ -1,0 +1,26 @@
+"""`divergence import DIR --out T.h5`: another engine's JSON Lines records -> a trace."""
+from __future__ import annotations
+
+from .common import emit_json
+
+HELP = ("write a trace from another engine's JSON Lines records (docs/recording.md): "
+        "one file per record kind, or lines with a 'kind' field")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("src", metavar="DIR", help="directory of .jsonl files (or one .jsonl file)")
+    p.add_argument("--out", metavar="T.h5", required=True, help="the trace to write (replaced only when "
+                   "every record is good)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def main(args) -> int:
+    from ..record.jsonl import import_records
+
+    counts = import_records(args.src, args.out)
+    if args.json:
+        emit_json({"trace": args.out, **counts})
+    else:
+        print(f"{args.out}: {counts['requests']} requests, {counts['steps']} steps, {counts['tokens']} tokens "
+              f"(from {args.src})")
+    return 0
