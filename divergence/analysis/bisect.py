@@ -153,7 +153,7 @@ def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
     return ops[0] if ops else (prefer[0] if prefer[0] in b.kernels else next(iter(b.kernels), None))
 
 
-def _views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepView, StepView, str | None]:
+def step_views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepView, StepView, str | None]:
     va, vb = step_view(a, step_a), step_view(b, step_b)
     op = _name_op(va, vb, prefer)
     va.kernel, vb.kernel = va.kernels.get(op, "native" if va.native else "?"), \
@@ -169,8 +169,8 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
         if tok is None:
             return None
         # Every stored logit is bitwise equal, yet the token differs: the sampler did it.
-        va, vb, op = _views(a, b, tok.step_a, tok.step_b)
-        return RootCause(SAMPLER, None, [tok.position], va, vb, _co_batched(b, tok.step_b, d.id), op=None)
+        va, vb, op = step_views(a, b, tok.step_a, tok.step_b)
+        return RootCause(SAMPLER, None, [tok.position], va, vb, co_batched(b, tok.step_b, d.id), op=None)
     # The divergent step is the one that computed the flipped token (or, with no flip,
     # the first differing logits); compare every KV write it read.
     if tok is not None:
@@ -188,8 +188,8 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
     differ = (ka["k"][ia] != kb["k"][ib]) | (ka["v"][ia] != kb["v"][ib])
     if not differ.any():
         # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
-        va, vb, op = _views(a, b, step_a_div, step_b_div, prefer=("lm_head",) + WRITE_OPS)
-        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, _co_batched(b, step_b_div, d.id), op=op)
+        va, vb, op = step_views(a, b, step_a_div, step_b_div, prefer=("lm_head",) + WRITE_OPS)
+        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, co_batched(b, step_b_div, d.id), op=op)
     # common is sorted by (position, layer): the first differing cell is the earliest.
     ja, jb = ia[differ][0], ib[differ][0]
     layer = int(kb["layer"][jb])
@@ -198,11 +198,10 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
     # All differing positions written by that same B step at that layer.
     sel = (kb["step"][ib[differ]] == step_b) & (kb["layer"][ib[differ]] == layer)
     positions = sorted(int(p) for p in kb["position"][ib[differ]][sel])
-    va, vb, op = _views(a, b, step_a, step_b)
-    co = _co_batched(b, step_b, d.id)
+    va, vb, op = step_views(a, b, step_a, step_b)
+    co = co_batched(b, step_b, d.id)
     until = tok.step_b if tok is not None else num.step_b
-    finished = {rid: fs for rid in co if (fs := _finish_step(b, rid)) is not None and fs < until}
-    return RootCause(kind, layer, positions, va, vb, co, finished, op=op)
+    return RootCause(kind, layer, positions, va, vb, co, finished_before(b, co, until), op=op)
 
 
 def _cells(live, pos: int) -> dict:
@@ -218,11 +217,13 @@ def _cells(live, pos: int) -> dict:
             "k": np.asarray(live["k_hash"])[keep][order], "v": np.asarray(live["v_hash"])[keep][order]}
 
 
-def _co_batched(trace, step: int, rid: str) -> list[str]:
+def co_batched(trace, step: int, rid: str) -> list[str]:
+    """The other requests of one step."""
     return sorted({s.request_id for s in trace.step_plan(step).slices} - {rid})
 
 
-def _finish_step(trace, rid: str) -> int | None:
+def finish_step(trace, rid: str) -> int | None:
+    """The step a request finished at (its last token's step in traces without the event)."""
     fs = trace.finish_step(rid)
     if fs is None:
         t = trace.tokens(rid)
@@ -230,12 +231,20 @@ def _finish_step(trace, rid: str) -> int | None:
     return fs
 
 
-def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None) -> BisectReport:
+def finished_before(trace, ids, until: int) -> dict[str, int]:
+    """id -> finish step, for the requests of `ids` that had finished before step `until`:
+    the contaminating request can be long gone when the text flips."""
+    return {rid: fs for rid in ids if (fs := finish_step(trace, rid)) is not None and fs < until}
+
+
+def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
+                  bitwise: bool = False) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
     replays B with the root-cause step forced to A's kernels (see analysis.replay).
     Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays):
-    a binary search over steps by replay (analysis.replay.make_replay_bisector)."""
-    d = diff_traces(a, b)
+    a binary search over steps by replay (analysis.replay.make_replay_bisector).
+    bitwise: requests whose tokens match but whose logits differ are diverged and get causes."""
+    d = diff_traces(a, b, bitwise=bitwise)
     causes: dict[str, RootCause] = {}
     hashed = a.has_kv_hashes and b.has_kv_hashes
     mode = "kv-hashes"

@@ -1,13 +1,19 @@
 """Compare two traces token by token and bit by bit. Pure numpy; never runs a model.
 
 For every request: identical, or the first divergent token (both sides' token,
-logit, runner-up and margin, from the stored top-k), and the first numeric
-divergence: the first position whose stored logits differ in any bit, often
-hundreds of tokens before the text flips.
+logit, runner-up and margin, from the stored top-k and the chosen token's own
+logit), and the first numeric divergence: the first position whose stored logits
+differ in any bit, often hundreds of tokens before the text flips. With
+`bitwise`, a request whose tokens match but whose logits differ is diverged too.
+
+The row-wise comparisons (`numeric_rows`, `abs_delta_rows`) are the one
+implementation the TUI uses as well.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import math
 
 import numpy as np
 
@@ -24,13 +30,15 @@ class Candidate:
     """One side's view of a divergent position."""
 
     token: int
-    logit: float
+    logit: float | None  # None: outside the stored top-k and the trace lacks the token's own logit
     runner_up: int | None
     runner_up_logit: float | None
 
     @property
     def margin(self) -> float | None:
-        return None if self.runner_up_logit is None else self.logit - self.runner_up_logit
+        if self.logit is None or self.runner_up_logit is None:
+            return None
+        return self.logit - self.runner_up_logit
 
     def to_json(self) -> dict:
         return {"token": self.token, "logit": self.logit, "runner_up": self.runner_up,
@@ -77,6 +85,12 @@ class RequestDiff:
     first_numeric_divergence: NumericDivergence | None = None
     truncated: bool = False  # compared only up to where an incomplete trace ends
 
+    @property
+    def logits_only(self) -> bool:
+        """Tokens equal (same length), logits not: diverged only under --bitwise."""
+        return (self.first_divergent_token is None and self.first_numeric_divergence is not None
+                and self.len_a == self.len_b)
+
     def to_json(self) -> dict:
         return {
             "id": self.id, "status": self.status, "prompt_len": self.prompt_len, "compared": self.compared,
@@ -95,6 +109,7 @@ class DiffReport:
     label_b: str
     requests: list[RequestDiff]
     incomplete: list[str] = field(default_factory=list)  # paths of traces that did not complete
+    bitwise: bool = False  # logit-only differences count as divergences
 
     @property
     def identical(self) -> bool:
@@ -105,7 +120,7 @@ class DiffReport:
         return [r for r in self.requests if r.status != IDENTICAL]
 
     def to_json(self) -> dict:
-        return {"identical": self.identical, "a": self.path_a, "b": self.path_b,
+        return {"identical": self.identical, "a": self.path_a, "b": self.path_b, "bitwise": self.bitwise,
                 "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
                 "requests": [r.to_json() for r in self.requests]}
 
@@ -141,15 +156,55 @@ def compared_requests(trace) -> list:
     return [r for r in trace.requests if not r.id.startswith(WARMUP_PREFIX)]
 
 
-def _candidate(topk_ids: np.ndarray, topk_logits: np.ndarray, token: int) -> Candidate:
-    ids = topk_ids.tolist()
-    logit = float(topk_logits[ids.index(token)]) if token in ids else float("nan")
-    others = [(i, float(v)) for i, v in zip(ids, topk_logits.tolist()) if i != token]
+def _finite(x) -> float | None:
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def _candidate(topk_ids: np.ndarray, topk_logits: np.ndarray, token: int, own_logit=None) -> Candidate:
+    """One side's token at a position: its logit from the top-k, else the token's own
+    recorded logit (newer traces), else None; the runner-up is the best other top-k id."""
+    ids, vals = topk_ids.tolist(), topk_logits.tolist()
+    if token in ids:
+        logit = _finite(vals[ids.index(token)])
+    else:
+        logit = _finite(own_logit) if own_logit is not None else None
+    others = [(int(i), float(v)) for i, v in zip(ids, vals) if i != token and i >= 0 and math.isfinite(v)]
     ru, rl = others[0] if others else (None, None)
     return Candidate(int(token), logit, ru, rl)
 
 
-def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False) -> RequestDiff:
+def numeric_rows(ids_a, logits_a, ids_b, logits_b) -> np.ndarray:
+    """bool [n]: row i's stored top-k ids or logit bits differ between the sides."""
+    bits_a = np.asarray(logits_a, dtype=np.float32).view(np.uint32)
+    bits_b = np.asarray(logits_b, dtype=np.float32).view(np.uint32)
+    ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
+    if bits_a.shape != bits_b.shape:  # traces with another top-k: compare the common width
+        k = min(bits_a.shape[-1], bits_b.shape[-1])
+        bits_a, bits_b, ids_a, ids_b = bits_a[..., :k], bits_b[..., :k], ids_a[..., :k], ids_b[..., :k]
+    return (bits_a != bits_b).any(axis=-1) | (ids_a != ids_b).any(axis=-1)
+
+
+def abs_delta_rows(ids_a, logits_a, ids_b, logits_b) -> np.ndarray:
+    """float64 [n]: per row, the largest |Δlogit| over token ids in both sides' top-k
+    (0.0 where they share none); padding ids (< 0) and non-finite values never count."""
+    ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
+    if len(ids_a) == 0:
+        return np.zeros(0)
+    la, lb = np.asarray(logits_a, np.float64), np.asarray(logits_b, np.float64)
+    match = (ids_a[:, :, None] == ids_b[:, None, :]) & (ids_a[:, :, None] >= 0)  # [n, K, K]
+    delta = np.abs(la[:, :, None] - lb[:, None, :])
+    match &= np.isfinite(delta)
+    return np.where(match, delta, 0.0).max(axis=(1, 2))
+
+
+def _own_logit(rec, i: int):
+    """The chosen token's own logit where the trace records it (None otherwise)."""
+    own = getattr(rec, "logit", None)
+    return None if own is None or len(own) <= i else own[i]
+
+
+def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False, bitwise: bool = False) -> RequestDiff:
     """ta / tb: token records of one request (positions, tokens, steps, topk_ids, topk_logits)."""
     na, nb = len(ta.tokens), len(tb.tokens)
     if na == 0 or nb == 0:
@@ -158,10 +213,8 @@ def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False) 
     n = min(na, nb)
     tok_a, tok_b = np.asarray(ta.tokens[:n]), np.asarray(tb.tokens[:n])
     flip = np.flatnonzero(tok_a != tok_b)
-    bits_a = np.asarray(ta.topk_logits[:n], dtype=np.float32).view(np.uint32)
-    bits_b = np.asarray(tb.topk_logits[:n], dtype=np.float32).view(np.uint32)
     ids_a, ids_b = np.asarray(ta.topk_ids[:n]), np.asarray(tb.topk_ids[:n])
-    numeric = np.flatnonzero((bits_a != bits_b).any(axis=1) | (ids_a != ids_b).any(axis=1))
+    numeric = np.flatnonzero(numeric_rows(ids_a, ta.topk_logits[:n], ids_b, tb.topk_logits[:n]))
     diff = RequestDiff(rid, IDENTICAL, prompt_len, n, na, nb, truncated=truncated)
     if flip.size:
         i = int(flip[0])
@@ -169,8 +222,8 @@ def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False) 
         diff.first_divergent_token = TokenDivergence(
             position=int(ta.positions[i]), generated_index=int(ta.positions[i]) - prompt_len,
             step_a=int(ta.steps[i]), step_b=int(tb.steps[i]),
-            a=_candidate(ids_a[i], ta.topk_logits[i], int(tok_a[i])),
-            b=_candidate(ids_b[i], tb.topk_logits[i], int(tok_b[i])),
+            a=_candidate(ids_a[i], ta.topk_logits[i], int(tok_a[i]), _own_logit(ta, i)),
+            b=_candidate(ids_b[i], tb.topk_logits[i], int(tok_b[i]), _own_logit(tb, i)),
         )
     elif na != nb and not truncated:
         diff.status = DIVERGED  # same prefix, one side stopped (e.g. EOS) earlier
@@ -180,31 +233,26 @@ def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False) 
         diff.first_numeric_divergence = NumericDivergence(
             position=int(ta.positions[j]), step_a=int(ta.steps[j]), step_b=int(tb.steps[j]),
             tokens_before_flip=(int(flip[0]) - j) if flip.size else None,
-            max_abs_delta_before_flip=_max_delta(ids_a[j:end], ta.topk_logits[j:end],
-                                                 ids_b[j:end], tb.topk_logits[j:end]),
+            max_abs_delta_before_flip=float(abs_delta_rows(ids_a[j:end], ta.topk_logits[j:end],
+                                                           ids_b[j:end], tb.topk_logits[j:end]).max()),
         )
+        if bitwise:
+            diff.status = DIVERGED  # the bitwise standard: equal tokens are not enough
     return diff
 
 
-def _max_delta(ids_a, la, ids_b, lb) -> float:
-    """Largest |Δlogit| over token ids present in both top-k lists, row by row (vectorised)."""
-    if len(ids_a) == 0:
-        return 0.0
-    match = ids_a[:, :, None] == ids_b[:, None, :]  # [n, K, K]
-    delta = np.abs(np.asarray(la, np.float64)[:, :, None] - np.asarray(lb, np.float64)[:, None, :])
-    return float(np.where(match, delta, 0.0).max())
-
-
-def diff_traces(a, b) -> DiffReport:
-    """a, b: open `Trace`s (see divergence.trace.reader)."""
+def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
+    """a, b: open `Trace`s (see divergence.trace.reader). bitwise: a request whose tokens
+    match but whose logits differ counts as diverged (the standard of vLLM's determinism tests)."""
     check_comparable(a, b)
     incomplete = [t.path for t in (a, b) if not t.completed]
     out = []
     for req in compared_requests(a):
         ta, tb = a.tokens(req.id), b.tokens(req.id)
-        d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete))
+        d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
-    return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete])
+    return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
+                      bitwise=bitwise)
 
 
 def _label(trace) -> str:

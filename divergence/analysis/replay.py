@@ -42,8 +42,9 @@ class ReplayReport:
 
 
 def parse_force(items) -> dict:
-    """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}."""
-    from ..core.events import LINEAR_OPS
+    """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}.
+    Checks the syntax, the op names and the kernels; `check_forced` checks them against a trace."""
+    from ..core.names import OPS
     from ..core.policy import SOLO, SOLO_NAME, KernelPolicy
 
     out: dict = {}
@@ -53,17 +54,52 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL or STEP:OP=KERNEL, e.g. 7:gemv")
         op, eq, kernel = spec.partition("=")
         if not eq:
-            out[int(step)] = SOLO if spec.strip().lower() == SOLO_NAME else KernelPolicy.parse(spec)
+            out[int(step)] = SOLO if spec.strip().lower() == SOLO_NAME else _kernel(item, spec)
             continue
-        if op not in LINEAR_OPS:
-            raise PolicyError(f"bad --force {item!r}: unknown op {op!r} (ops: {', '.join(LINEAR_OPS)})")
+        if op not in OPS:
+            raise PolicyError(f"bad --force {item!r}: unknown op {op!r} (ops: {', '.join(OPS)})")
         per_op = out.setdefault(int(step), {})
         if not isinstance(per_op, dict):
             raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
         if kernel.strip().lower() == SOLO_NAME:
             raise PolicyError(f"bad --force {item!r}: solo applies to a whole step (STEP:solo), not to one op")
-        per_op[op] = KernelPolicy.parse(kernel)
+        per_op[op] = _kernel(item, kernel)
     return out
+
+
+def _kernel(item, text):
+    from ..core.policy import KernelPolicy
+
+    try:
+        return KernelPolicy.parse(text)
+    except PolicyError as e:
+        raise PolicyError(f"bad --force {item!r}: {e}") from None
+
+
+def check_forced(trace, forced: dict) -> None:
+    """Refuse forcing that would silently do nothing: a step the trace does not have, or
+    an op the trace's model never ran (e.g. lm_head=... on a draft step). PolicyError, one line."""
+    if not forced:
+        return
+    steps = np.asarray(trace.steps["index"])
+    have = set(int(x) for x in steps)
+    span = f"steps {int(steps.min())}-{int(steps.max())}" if len(steps) else "no steps"
+    for step, pol in sorted(forced.items()):
+        if step not in have:
+            raise PolicyError(f"--force {step}:{describe_forced({step: pol})[step]}: {trace.path} has no step "
+                              f"{step} ({span})")
+        if isinstance(pol, dict):
+            ran = set(str(o) for o in trace.kernels(step=step)["op"])
+            unknown = sorted(set(pol) - ran) if ran else []
+            if unknown:
+                raise PolicyError(f"--force {step}:{unknown[0]}=...: step {step} of {trace.path} ran no op "
+                                  f"{unknown[0]!r} (it ran {', '.join(o for o in _op_order(ran))})")
+
+
+def _op_order(ops) -> list[str]:
+    from ..core.names import OPS
+
+    return [o for o in OPS if o in ops] + sorted(o for o in ops if o not in OPS)
 
 
 def describe_forced(forced: dict) -> dict[int, str]:
@@ -114,12 +150,13 @@ class Replayer:
         draft = self._load(meta["draft"], self.draft_dir) if meta.get("draft") and s.get("spec_k") else None
         return Engine(target, draft, policy=s["policy"], token_budget=s["token_budget"], spec_k=s["spec_k"],
                       top_k=s["top_k"], block_size=s["block_size"], stop_at_eos=s.get("stop_at_eos", True),
-                      observers=list(observers))
+                      prefix_caching=bool(s.get("prefix_caching", False)), observers=list(observers))
 
     def run(self, trace, *, forced=None, observers=()):
         """Replay in memory; returns the engine's RunResult."""
         from ..engine.replay import TokenSite, replay_plans
 
+        check_forced(trace, forced or {})
         engine = self.engine_for(trace, observers=observers)
         sites = []
         for req in trace.requests:
@@ -142,7 +179,7 @@ class Replayer:
 
 
 def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) -> ReplayReport:
-    d = diff_traces(original, replayed)
+    d = diff_traces(original, replayed, bitwise=True)
     first = None
     tokens_equal = logits_equal = True
     for r in d.requests:
@@ -184,6 +221,7 @@ def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> Repla
 
     forced = parse_force(force)
     with Trace.open(path) as trace:
+        check_forced(trace, forced)
         if out is None:
             tmp = tempfile.mkdtemp(prefix="divergence-replay-")
             out = Path(tmp) / (Path(path).stem + ".replay.h5")
@@ -286,6 +324,8 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         if cause.kind == "sampler":
             return None, "a sampler cause has no kernel to force"
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
+        if tok is None and num is not None:  # tokens equal, logits not (--bitwise): prove it on the bits
+            return confirm_logits(cause, rd, num)
         n = (tok.generated_index + 1) if tok is not None else rd.compared
         forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
         same, bitwise, first = matches(rd.id, forced, n)
@@ -307,6 +347,18 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
                            f"{_forcing_words(forced, label_a)} it differs at #{first2}")
         return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
 
+    def confirm_logits(cause, rd, num):
+        """The logits first differ at num.position: with the cause step run as A ran it,
+        B's logits must equal A's bit for bit up to and including that position."""
+        n = num.position - rd.prompt_len + 1
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
+        _, bitwise, _ = matches(rd.id, forced, n)
+        what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
+        if bitwise:
+            return True, (f"{what} makes {rd.id}'s logits equal {label_a}'s bit for bit up to position "
+                          f"{num.position}, where they first differed")
+        return False, f"{what}: {rd.id}'s logits still differ from {label_a}'s by position {num.position}"
+
     return confirm
 
 
@@ -318,7 +370,7 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
     A up to the flip". The smallest m with f(m) true names the latest step that had
     to be forced: O(log steps) replays, each one a proof rather than a correlation.
     """
-    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, _co_batched, _finish_step, _views
+    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, co_batched, finished_before, step_views
 
     def a_step_for(rid: str, until: int) -> dict[int, int]:
         """position -> A's target step that last computed it (up to `until`)."""
@@ -362,12 +414,12 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
             return None, replays
         step_b, start = b_steps[lo - 1]
         step_a = a_of[start]
-        va, vb, op = _views(a, b, step_a, step_b)
+        va, vb, op = step_views(a, b, step_a, step_b)
         kind = STEP_COMPUTE if step_b == tok.step_b else CACHE_CONTAMINATION
         sl = next(s for s in b.step_plan(step_b).slices if s.request_id == rd.id)
-        co = _co_batched(b, step_b, rd.id)
-        finished = {r: fs for r in co if (fs := _finish_step(b, r)) is not None and fs < tok.step_b}
-        cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co, finished, op=op)
+        co = co_batched(b, step_b, rd.id)
+        cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
+                          finished_before(b, co, tok.step_b), op=op)
         cause.confirmed = True
         cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} on {label_a}'s kernels makes "
                                 f"{rd.id} match {label_a} up to the divergence, and without step {step_b} it does not "

@@ -32,17 +32,27 @@ def step_text(view: StepView) -> str:
     return f"{_rows(view.rows)} = " + composition_text(view.composition)
 
 
+def _logits_differ(r: RequestDiff) -> str:
+    n = r.first_numeric_divergence
+    return f"logits differ from position {n.position} (max |Δlogit| {n.max_abs_delta_before_flip:.3g})"
+
+
 def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
                   confirm_requested: bool = False) -> list[str]:
     if r.status == MISSING:
         return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
+    tokens = f"{r.compared} token{'s' if r.compared != 1 else ''}"
+    incomplete = "  [compared up to the end of an incomplete trace]" if r.truncated else ""
     if r.status != DIVERGED:
-        return [f"{r.id}  identical ({r.compared} token{'s' if r.compared != 1 else ''})" + ("  [compared up to the end of an incomplete trace]"
-                                                               if r.truncated else "")]
+        if r.logits_only:  # not a divergence without --bitwise, but never a bare "identical"
+            return [f"{r.id}  tokens identical ({tokens}); {_logits_differ(r)}{incomplete}"]
+        return [f"{r.id}  identical ({tokens}){incomplete}"]
     w = max(len(label_a), len(label_b)) + 2
     lines = []
     t = r.first_divergent_token
-    if t is None:
+    if r.logits_only:
+        lines.append(f"{r.id}  tokens identical ({tokens}), but {_logits_differ(r)}")
+    elif t is None:
         lines.append(f"{r.id}  same tokens up to #{r.compared}, then {label_a} has {r.len_a} and {label_b} {r.len_b}")
     else:
         lines.append(f"{r.id}  first divergent token at position {t.position} (generated #{t.generated_index})")
@@ -52,7 +62,7 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
                          f"{c.runner_up if c.runner_up is not None else '-':>6} {_piece(vocab, c.runner_up):<12} "
                          f"{_fmt(c.runner_up_logit)}{margin}")
     n = r.first_numeric_divergence
-    if n is not None:
+    if n is not None and not r.logits_only:
         ahead = f" ({n.tokens_before_flip} tokens earlier)" if n.tokens_before_flip else ""
         lines.append(f"    first numeric difference at position {n.position}{ahead}, "
                      f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
@@ -152,6 +162,14 @@ def render_bisect(b: BisectReport, vocab=None) -> str:
 def _summary(d: DiffReport) -> str:
     n = len(d.requests)
     bad = d.diverged
+    drift = [r for r in d.requests if r.status != DIVERGED and r.logits_only]
+    note = ""
+    if drift:
+        ids = ", ".join(r.id for r in drift[:8]) + (" ..." if len(drift) > 8 else "")
+        them = "it" if len(drift) == 1 else "them"
+        note = (f"; logits differ in {len(drift)} ({ids}): --bitwise counts {them} as diverged" if not bad else
+                f"; {len(drift)} more with identical tokens but other logits ({ids}): --bitwise counts {them}")
     if not bad:
-        return f"identical: {n} of {n} requests"
-    return f"diverged: {len(bad)} of {n} requests ({', '.join(r.id for r in bad)})"
+        return f"{'identical tokens' if drift else 'identical'}: {n} of {n} requests{note}"
+    mode = " (bitwise: logits included)" if d.bitwise else ""
+    return f"diverged{mode}: {len(bad)} of {n} requests ({', '.join(r.id for r in bad)}){note}"

@@ -12,6 +12,9 @@ def add_arguments(p) -> None:
     p.add_argument("--confirm", action="store_true", help="replay B with the root-cause step forced to A's kernel")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the traces were recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
+    p.add_argument("--bitwise", action="store_true",
+                   help="a request whose tokens match but whose logits differ counts as diverged: it gets a root "
+                        "cause (and with --confirm a confirmation) like any other, and the exit code is 1")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 
@@ -32,7 +35,8 @@ def main(args) -> int:
             engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
             replayer = make_confirmer(a, b, engine_replayer, *labels)
             bisector = make_replay_bisector(a, b, engine_replayer, *labels)
-        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector)
+        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector,
+                               bitwise=args.bitwise)
         if args.json:
             emit_json(report.to_json())
         else:

@@ -9,6 +9,8 @@ HELP = "compare two traces: first divergent token and first numeric difference p
 def add_arguments(p) -> None:
     p.add_argument("a", metavar="A.h5")
     p.add_argument("b", metavar="B.h5")
+    p.add_argument("--bitwise", action="store_true",
+                   help="a request whose tokens match but whose logits differ counts as diverged (exit 1)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 
@@ -18,7 +20,7 @@ def main(args) -> int:
 
     a, b = open_pair(args.a, args.b)
     with a, b:
-        d = diff_traces(a, b)
+        d = diff_traces(a, b, bitwise=args.bitwise)
         if args.json:
             emit_json(d.to_json())
         else:

@@ -35,8 +35,9 @@ class ReproducibilityError(AssertionError):
 ReproducibilityError.__module__ = "divergence.testing"  # what pytest prints in front of the report
 
 
-def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None):
-    """Assert that two traces (paths or open `Trace`s) hold the same tokens and logits, bit for bit.
+def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None, bitwise: bool = False):
+    """Assert that two traces (paths or open `Trace`s) hold the same tokens (with `bitwise`,
+    the same tokens and top-k logits, bit for bit).
 
     On a difference, raises ReproducibilityError with the bisect report (root cause
     from the KV hashes; with `confirm`, replayed to prove it, loading the model the
@@ -48,7 +49,7 @@ def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None):
     try:
         ta = _as_trace(a, opened, Trace)
         tb = _as_trace(b, opened, Trace)
-        comparison = _compare(ta, tb, confirm=confirm, model_dir=model, draft_dir=draft)
+        comparison = _compare(ta, tb, confirm=confirm, model_dir=model, draft_dir=draft, bitwise=bitwise)
     finally:
         for t in opened:
             t.close()
@@ -62,9 +63,9 @@ def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None):
 def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None, spec_k=None,
                         max_tokens: int = DEFAULT_MAX_TOKENS, draft=None, top_k=None, token_budget=None,
                         dtype: str | None = None, stop_at_eos=None, confirm: bool = True, out_dir=None,
-                        keep: bool = False):
+                        keep: bool = False, bitwise: bool = False):
     """Run `prompts` under each schedule with tracing; assert every schedule gives the first one's
-    tokens and logits bit for bit.
+    tokens (with `bitwise`, its tokens and top-k logits bit for bit).
 
     model: a model directory, an `Engine`, or None for the embedded fixture model
       (with spec_k > 0 the default draft is the fixture draft).
@@ -72,6 +73,7 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
     policy / spec_k / top_k / token_budget / stop_at_eos: default native / 0 / 8 / 256 / True,
       or the Engine's own.
     confirm: replay each root-cause step with the other schedule's kernel to prove it.
+    bitwise: equal tokens with other logits fail too (the standard of vLLM's determinism tests).
     out_dir: where the traces go (default: a temporary folder). They are deleted when
       the check passes (unless `keep`) and kept, and named in the message, when it fails.
 
@@ -108,7 +110,8 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
     out = Path(tempfile.mkdtemp(prefix="divergence-check-")) if out_dir is None else Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        paths, comparisons = _run_and_compare(subject, requests, schedules, out, confirm=confirm)
+        paths, comparisons = _run_and_compare(subject, requests, schedules, out, confirm=confirm,
+                                               bitwise=bitwise)
     except BaseException:
         if out_dir is None:  # nobody knows this folder: don't leave it behind
             shutil.rmtree(out, ignore_errors=True)
@@ -126,7 +129,7 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
     return result
 
 
-def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool):
+def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool, bitwise: bool = False):
     """Run every schedule into out/<schedule>.h5; compare each against the first."""
     from ..trace.reader import Trace
 
@@ -135,7 +138,7 @@ def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool):
     with Trace.open(paths[schedules[0]]) as base:
         for s in schedules[1:]:
             with Trace.open(paths[s]) as other:
-                comparisons.append(_compare(base, other, confirm=confirm))
+                comparisons.append(_compare(base, other, confirm=confirm, bitwise=bitwise))
     return paths, comparisons
 
 
@@ -249,7 +252,7 @@ class _EngineSubject:
 # -- comparing ---------------------------------------------------------------------------
 
 
-def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None) -> Comparison:
+def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None, bitwise: bool = False) -> Comparison:
     from ..analysis.bisect import bisect_traces
 
     label_a, label_b = str(a.meta.get("schedule", "A")), str(b.meta.get("schedule", "B"))
@@ -260,7 +263,7 @@ def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None) -> Comparis
         from ..analysis.replay import make_confirmer
 
         confirmer = make_confirmer(a, b, _memo_replayer(model_dir, draft_dir), label_a, label_b)
-    report = bisect_traces(a, b, confirm=confirm, replayer=confirmer)
+    report = bisect_traces(a, b, confirm=confirm, replayer=confirmer, bitwise=bitwise)
     return Comparison(str(a.path), str(b.path), report, a.vocab, label_a, label_b)
 
 

@@ -15,7 +15,7 @@ from .settings import Settings, artifact_name
 
 MARKER = "reproducible"
 MARKER_ARGS = ("prompts", "model", "draft", "schedules", "policy", "spec_k", "max_tokens", "top_k",
-               "token_budget", "dtype", "stop_at_eos", "confirm")
+               "token_budget", "dtype", "stop_at_eos", "confirm", "bitwise")
 
 
 class ReproducibilityChecker:
@@ -32,7 +32,7 @@ class ReproducibilityChecker:
         self.traces: dict = {}
 
     def __call__(self, prompts, *, model=None, policy=None, max_tokens=None, top_k=None, confirm=None,
-                 draft=None, keep: bool = False, **kw):
+                 draft=None, keep: bool = False, bitwise=None, **kw):
         __tracebackhide__ = True
         s = self.settings
         # An Engine keeps its own policy and top-k unless they are given here.
@@ -47,18 +47,19 @@ class ReproducibilityChecker:
                 confirm=confirm if confirm is not None else s.confirm,
                 # the session's draft goes with the session's model, not with a model given here
                 draft=draft if draft is not None else (s.draft if model is None else None),
-                out_dir=out, keep=keep, **kw)
+                out_dir=out, keep=keep, bitwise=s.bitwise if bitwise is None else bool(bitwise), **kw)
         except ReproducibilityError as e:
             self.report, self.traces = e.report, e.traces
             raise
         self.traces = {p.stem: str(p) for p in out.glob("*.h5")} if keep else {}
         return self.report
 
-    def traces_equal(self, a, b, *, confirm=None, model=None, draft=None):
-        """`assert_traces_equal` with this session's confirm setting."""
+    def traces_equal(self, a, b, *, confirm=None, model=None, draft=None, bitwise=None):
+        """`assert_traces_equal` with this session's confirm and bitwise settings."""
         __tracebackhide__ = True
         c = self.settings.confirm if confirm is None else confirm
-        self.report = assert_traces_equal(a, b, confirm=c, model=model, draft=draft)
+        bw = self.settings.bitwise if bitwise is None else bool(bitwise)
+        self.report = assert_traces_equal(a, b, confirm=c, model=model, draft=draft, bitwise=bw)
         return self.report
 
     def _next_dir(self) -> Path:

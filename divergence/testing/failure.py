@@ -86,7 +86,8 @@ def failure_text(comparisons: list[Comparison], run: RunSummary | None = None, *
                 seen.add(path)
                 lines.append(f"    {label + ':':<12} {path}")
     for c in bad:
-        lines.append(f"    divergence bisect {_q(c.path_a)} {_q(c.path_b)} --confirm")
+        bitwise = " --bitwise" if c.report.diff.bitwise else ""
+        lines.append(f"    divergence bisect {_q(c.path_a)} {_q(c.path_b)} --confirm{bitwise}")
     for c in bad[:1]:
         lines.append(f"    divergence browse {_q(c.path_a)} {_q(c.path_b)}")
     return "\n".join(lines)

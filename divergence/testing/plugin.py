@@ -51,6 +51,8 @@ def pytest_addoption(parser) -> None:
     parser.addini("divergence_top_k", "top-k logits recorded per token", default=str(DEFAULT_TOP_K))
     parser.addini("divergence_max_tokens", "tokens generated per prompt", default=str(DEFAULT_MAX_TOKENS))
     parser.addini("divergence_confirm", "confirm root causes by replay", type="bool", default=True)
+    parser.addini("divergence_bitwise", "fail on equal tokens whose logits differ (bit for bit), as "
+                  "bitwise=True does per check", type="bool", default=False)
 
 
 def pytest_configure(config) -> None:
@@ -81,6 +83,7 @@ def _settings(config) -> Settings:
         max_tokens=check_positive_int("divergence_max_tokens", config.getini("divergence_max_tokens")),
         confirm=parse_bool("divergence_confirm", config.getini("divergence_confirm")) if confirm is None else confirm,
         artifacts=artifacts or None,
+        bitwise=parse_bool("divergence_bitwise", config.getini("divergence_bitwise")),
     )
 
 

@@ -31,6 +31,7 @@ class Settings:
     max_tokens: int = DEFAULT_MAX_TOKENS
     confirm: bool = True
     artifacts: Path | None = None  # where failing checks keep their traces
+    bitwise: bool = False  # equal tokens with other logits fail too
 
 
 def check_policy(policy) -> str:

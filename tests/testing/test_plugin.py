@@ -173,3 +173,26 @@ def test_marker_typo():
     ])
     out = result.stdout.str()
     assert "assertions.py" not in out and "checker.py" not in out
+
+
+def test_bitwise_ini_key_fails_on_logit_only_drift(pytester, run, tmp_path):
+    """Equal tokens, logits one ulp apart: passes by default, fails under `divergence_bitwise`
+    (and `bitwise=True` per check), with the bitwise bisect in the reproduce lines."""
+    from tests.analysis.test_bitwise import DRIFT
+    from tests.analysis.test_classify import BASE, write_trace
+
+    a = write_trace(tmp_path / "a.h5", **BASE)
+    b = write_trace(tmp_path / "b.h5", **{**BASE, **DRIFT})
+    pytester.makepyfile(test_drift=f"""
+def test_default(divergence_check):
+    divergence_check.traces_equal({str(a)!r}, {str(b)!r}, confirm=False)
+
+def test_per_check(divergence_check):
+    divergence_check.traces_equal({str(a)!r}, {str(b)!r}, confirm=False, bitwise=True)
+""")
+    result = run()
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*r1  tokens identical (6 tokens), but logits differ from position 6*",
+                                 "*divergence bisect * --confirm --bitwise"])
+    pytester.makeini("[pytest]\ndivergence_bitwise = true\n")
+    run().assert_outcomes(failed=2)

@@ -1,4 +1,7 @@
-"""One request's generated tokens of A and B aligned by position, and their stored top-k."""
+"""One request's generated tokens of A and B aligned by position, and their stored top-k.
+
+Which rows differ numerically, and by how much, is analysis.diff's rule (one
+implementation for the reports and the browser)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -6,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...analysis.diff import abs_delta_rows, numeric_rows
 from ...trace.reader import TokenRecords, Trace
 
 
@@ -36,12 +40,8 @@ class TokenAlignment:
         """Largest |Δlogit| at row i over token ids in both sides' top-k (0.0 with one trace)."""
         if not self.two or not self.present[:, i].all():
             return 0.0
-        ia, ib = self.topk_ids[0, i], self.topk_ids[1, i]
-        match = (ia[:, None] == ib[None, :]) & (ia[:, None] >= 0)
-        if not match.any():
-            return 0.0
-        la, lb = self.topk_logits[0, i].astype(np.float64), self.topk_logits[1, i].astype(np.float64)
-        return float(np.abs(la[:, None] - lb[None, :])[match].max())
+        return float(abs_delta_rows(self.topk_ids[0, i : i + 1], self.topk_logits[0, i : i + 1],
+                                    self.topk_ids[1, i : i + 1], self.topk_logits[1, i : i + 1])[0])
 
     def row_of_position(self, position: int) -> int | None:
         i = int(np.searchsorted(self.positions, position))
@@ -109,8 +109,7 @@ def align_tokens(request_id: str, prompt_len: int, recs: list[TokenRecords]) -> 
                               margins, logits[:, :, 0], ids, logits, z, z, None, None, False)
     both = present[0] & present[1]
     differs = (tokens[0] != tokens[1]) | ~both
-    bits = logits.view(np.uint32)
-    numeric = both & ((bits[0] != bits[1]).any(axis=1) | (ids[0] != ids[1]).any(axis=1))
+    numeric = both & numeric_rows(ids[0], logits[0], ids[1], logits[1])
     fd = np.flatnonzero(differs & both)
     if not fd.size:
         fd = np.flatnonzero(differs)
