@@ -64,6 +64,8 @@ class KernelChoice:
     # native only: the backend's kernel class at this row count, as a probe signature
     # (see native_classes); equal signatures = same class; 0 for the engine's own kernels
     native_class: int = 0
+    # `experts` only: which expert of the layer these rows went to (-1 for every other op)
+    expert: int = -1
 
 
 @dataclass
@@ -79,6 +81,24 @@ class KvWrite:
     # One 64-bit xxh3 hash per position of the exact bytes written (all kv heads).
     k_hashes: np.ndarray  # uint64 [count]
     v_hashes: np.ndarray  # uint64 [count]
+
+
+@dataclass
+class Routing:
+    """Which experts one MoE layer chose for each row of one slice, with the gate values
+    top-k ranked (router probabilities for qwen3_moe, router logits for mixtral), exact."""
+
+    step: int
+    model: str
+    request_id: str
+    layer: int
+    start: int  # sequence position of the first row
+    count: int
+    experts: np.ndarray  # int32 [count, k], in the order the block used them
+    scores: np.ndarray  # float32 [count, k], the ranked gate value of each chosen expert
+    runner_up: np.ndarray  # int32 [count]: the best expert not chosen (-1 when every expert is)
+    runner_up_score: np.ndarray  # float32 [count]
+    input_hash: np.ndarray  # uint64 [count]: xxh3_64 of the router's input row (exact bytes)
 
 
 @dataclass
@@ -133,7 +153,7 @@ class Observer:
     `wants_kv_hashes` / `wants_topk` / `wants_kernels`: the engine skips that work
     when no observer asks, so an unobserved run pays nothing for tracing.
 
-    Order within one step: on_kernel* (during the forward), on_kv_write*,
+    Order within one step: on_kernel* (during the forward), on_kv_write*, on_routing*,
     on_token*, on_request* (arrivals are sent before the step that first
     schedules them; finishes after its tokens), then on_step, which closes the
     step: a writer flushes there.
@@ -142,11 +162,13 @@ class Observer:
     wants_kv_hashes: bool = False
     wants_topk: bool = False
     wants_kernels: bool = False
+    wants_routing: bool = False
 
     def on_run_start(self, info: RunInfo) -> None: ...
     def on_step(self, event: StepEvent) -> None: ...
     def on_kernel(self, choice: KernelChoice) -> None: ...
     def on_kv_write(self, write: KvWrite) -> None: ...
+    def on_routing(self, routing: Routing) -> None: ...
     def on_token(self, event: TokenEvent) -> None: ...
     def on_request(self, event: RequestEvent) -> None: ...
     def on_run_end(self, completed: bool) -> None: ...

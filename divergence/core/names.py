@@ -21,7 +21,13 @@ SPEC_CORRECTED = 2  # the target's own token after a rejection, or the bonus tok
 
 # Linear ops that go through kernel dispatch, in forward order.
 LINEAR_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-OPS = LINEAR_OPS
+# Mixture-of-experts layers: the router `gate` (a linear op, dispatched like the others) and
+# `experts`, the selected experts' SwiGLU matmuls (one kernel record per expert and step).
+GATE = "gate"
+EXPERTS = "experts"
+MOE_OPS = (GATE, EXPERTS)
+FORCIBLE_OPS = LINEAR_OPS + MOE_OPS  # ops replay can force one by one (STEP:OP=KERNEL)
+OPS = LINEAR_OPS + MOE_OPS  # appended, never reordered: traces store their codes
 
 # Kernels of the linear ops.
 NATIVE = "native"

@@ -40,6 +40,11 @@ class KernelDispatcher:
         forced = self.forced.get(step, self.policy)
         self._step_policy = self.policy if isinstance(forced, SoloStep) else forced
 
+    @property
+    def step(self) -> int:
+        """The step being executed (ops outside this module record it too: MoE experts)."""
+        return self._step
+
     def solo(self, step: int) -> bool:
         """Is this step forced to run each of its requests alone?"""
         return isinstance(self.forced.get(step), SoloStep)

@@ -43,6 +43,7 @@ from .scheduler import Scheduler, Work
 from .environment import environment
 from .results import RequestOutput, RunResult
 from .model_state import ModelState, kv_writes
+from .moe import routing_events
 from .speculative import Proposal, accept_greedy, accept_sampled
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "environment"]
@@ -185,6 +186,7 @@ class _Run:
         self.extra = extra
         self.kv_live: dict = {}  # (request, layer, position) -> (step, k_hash, v_hash), prefix caching only
         self.want_kv = engine._wants("wants_kv_hashes")
+        self.want_routing = engine._wants("wants_routing")
         self.step = 0
         self.target_steps = 0
         self.proposals: dict[str, Proposal] = {}
@@ -348,9 +350,10 @@ class _Run:
 
     def _forward(self, state: ModelState, plan: StepPlan):
         t0 = time.perf_counter()
-        out = state.forward_step(plan, keep_kv=self.want_kv)
+        out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing)
         greedy = smp.greedy_rows(out.logits)
         extra = (out.k_written, out.v_written) if self.want_kv else ()
+        extra += tuple(a for r in out.routing or () for a in r.arrays())
         mx.eval(out.logits, greedy, *extra, *state.cache.arrays())
         self._last_duration = time.perf_counter() - t0
         if self.want_kv:
@@ -361,6 +364,8 @@ class _Run:
                     for i in range(w.count):
                         self.kv_live[(w.request_id, w.layer, w.start + i)] = \
                             (plan.index, int(w.k_hashes[i]), int(w.v_hashes[i]))
+        for r in routing_events(plan, state.name, out.routing) if out.routing else ():
+            self.e._emit("on_routing", r)
         logits_np = np.array(out.logits.astype(mx.float32))
         return out.logits, [int(t) for t in np.array(greedy)], logits_np
 

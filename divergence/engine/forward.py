@@ -19,6 +19,7 @@ from ..core.events import StepPlan
 from .kernels import LinearOp
 from .kv_cache import BlockManager, PagedKVCache
 from .model import LoadedModel
+from .moe import LayerRouting, moe_block
 from .native_classes import NativeClassProbe
 
 
@@ -28,9 +29,9 @@ class LayerOps:
     k: LinearOp
     v: LinearOp
     o: LinearOp
-    gate: LinearOp
-    up: LinearOp
-    down: LinearOp
+    gate: LinearOp | None  # None in a mixture-of-experts layer (see moe.py)
+    up: LinearOp | None
+    down: LinearOp | None
 
 
 @dataclass
@@ -40,6 +41,8 @@ class StepOutput:
     # slice order, so the engine converts and hashes them in one go (not per slice).
     k_written: mx.array | None = None
     v_written: mx.array | None = None
+    # When asked: what each MoE layer's router chose for every row (see moe.routing_events).
+    routing: list[LayerRouting] | None = None
 
 
 class PackedForward:
@@ -49,19 +52,22 @@ class PackedForward:
         self.inner = lm.model
         self.blocks = list(lm.layers)
         self.ops = []
-        for layer in self.blocks:
-            a, m = layer.self_attn, layer.mlp
+        self.moe = [moe_block(layer, loaded.config.get("model_type")) for layer in self.blocks]
+        for layer, moe in zip(self.blocks, self.moe):
+            a = layer.self_attn
+            mlp = (LinearOp.from_module(n, getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
             self.ops.append(
                 LayerOps(*(LinearOp.from_module(n, getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         *(LinearOp.from_module(n, getattr(m, n)) for n in ("gate_proj", "up_proj", "down_proj")))
+                         *((None, None, None) if moe else mlp))
             )
         if getattr(lm.args, "tie_word_embeddings", False) or not hasattr(lm, "lm_head"):
             self.head = LinearOp.from_module("lm_head", self.inner.embed_tokens, tied_embedding=True)
         else:
             self.head = LinearOp.from_module("lm_head", lm.lm_head)
         attn0 = self.blocks[0].self_attn
-        self.n_heads = attn0.n_heads
-        self.n_kv_heads = attn0.n_kv_heads
+        # mixtral's attention names them num_heads / num_key_value_heads
+        self.n_heads = getattr(attn0, "n_heads", None) or attn0.num_heads
+        self.n_kv_heads = getattr(attn0, "n_kv_heads", None) or attn0.num_key_value_heads
         self.head_dim = self.ops[0].q.n // self.n_heads
         self.scale = attn0.scale
         self.has_qk_norm = hasattr(attn0, "q_norm")
@@ -83,6 +89,7 @@ class PackedForward:
         dispatch: KernelDispatcher,
         *,
         keep_kv: bool = False,
+        keep_routing: bool = False,
     ) -> StepOutput:
         dispatch.begin_step(plan.index)
         tokens = mx.array(np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in plan.slices]))
@@ -93,6 +100,7 @@ class PackedForward:
             write_slots.append(mx.array(all_slots[s.start :]))
             read_slots.append(mx.array(all_slots))
         k_layers, v_layers = [], []
+        routing = [] if keep_routing else None
         h = self.inner.embed_tokens(tokens)
         for li, (layer, ops) in enumerate(zip(self.blocks, self.ops)):
             attn = layer.self_attn
@@ -127,6 +135,9 @@ class PackedForward:
             a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
             h = h + dispatch(a, ops.o, li)
             x = layer.post_attention_layernorm(h)
+            if self.moe[li] is not None:
+                h = h + self.moe[li](x, dispatch, li, routing)
+                continue
             g, u = dispatch(x, ops.gate, li), dispatch(x, ops.up, li)
             h = h + dispatch(swiglu(g, u), ops.down, li)
         rows = [s.row_offset + r for s in plan.slices for r in s.logit_rows]
@@ -136,5 +147,5 @@ class PackedForward:
         else:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
         if keep_kv:
-            return StepOutput(logits, mx.stack(k_layers), mx.stack(v_layers))
-        return StepOutput(logits)
+            return StepOutput(logits, mx.stack(k_layers), mx.stack(v_layers), routing)
+        return StepOutput(logits, routing=routing)

@@ -13,7 +13,7 @@ import xxhash
 
 from ..errors import ModelLoadError, UnsupportedModelError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -88,7 +88,7 @@ def _hash_files(files) -> str:
 
 
 def load_model(path, *, dtype: str | None = None) -> LoadedModel:
-    """Load a llama/mistral/qwen2/qwen3 mlx-lm directory (any dtype, or quantized)."""
+    """Load a llama/mistral/qwen2/qwen3/qwen3_moe/mixtral mlx-lm directory (any dtype, or quantized)."""
     path = Path(path).expanduser()
     config = read_config(path)
     weights = sorted(path.glob("*.safetensors"))

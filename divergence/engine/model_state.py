@@ -14,6 +14,7 @@ from ..core.events import KvWrite, StepPlan
 from .forward import PackedForward, StepOutput
 from .kv_cache import BlockManager
 from .model import LoadedModel
+from .moe import merge_routing
 
 
 class ModelState:
@@ -28,23 +29,27 @@ class ModelState:
         self.cache = forward.make_cache(num_blocks, block_size)
         self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes)
 
-    def forward_step(self, plan: StepPlan, *, keep_kv: bool) -> StepOutput:
+    def forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False) -> StepOutput:
         """The step's forward pass (lazy). A step forced SOLO runs each slice in its own
         pass, evaluated before the next, exactly as a step holding only that slice;
         outputs are joined in slice order."""
         if not (self.dispatch.solo(plan.index) and len(plan.slices) > 1):
-            return self.forward(plan, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv)
+            return self.forward(plan, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv,
+                                keep_routing=keep_routing)
         parts = []
         for s in plan.slices:
             alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
-            out = self.forward(alone, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv)
-            mx.eval(out.logits, *((out.k_written, out.v_written) if keep_kv else ()), *self.cache.arrays())
+            out = self.forward(alone, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv,
+                               keep_routing=keep_routing)
+            mx.eval(out.logits, *((out.k_written, out.v_written) if keep_kv else ()), *self.cache.arrays(),
+                    *(a for r in out.routing or () for a in r.arrays()))
             parts.append(out)
         logits = mx.concatenate([p.logits for p in parts], axis=0)
+        routing = merge_routing([p.routing for p in parts]) if keep_routing else None
         if not keep_kv:
-            return StepOutput(logits)
+            return StepOutput(logits, routing=routing)
         return StepOutput(logits, mx.concatenate([p.k_written for p in parts], axis=1),
-                          mx.concatenate([p.v_written for p in parts], axis=1))
+                          mx.concatenate([p.v_written for p in parts], axis=1), routing)
 
 
 def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWrite]:

@@ -2,7 +2,8 @@
 
 They are real model directories (config.json, model.safetensors, tokenizer
 files) loaded with mlx-lm's own loader, so the engine is checked against
-mlx-lm on families the fixtures don't cover (qwen2 biases, qwen3 q/k norms).
+mlx-lm on families the fixtures don't cover (qwen2 biases, qwen3 q/k norms,
+qwen3_moe / mixtral experts).
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ BASE_CONFIGS = {
     "mistral": {},
     "qwen2": {},
     "qwen3": {},
+    "qwen3_moe": {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True},
+    "mixtral": {},
 }
+MOE_TYPES = ("qwen3_moe", "mixtral")
 
 
 def make_random_model(
@@ -34,9 +38,16 @@ def make_random_model(
     tokenizer_from=None,
     max_position_embeddings: int = 2048,
     quantize_bits: int | None = None,
+    num_experts: int = 8,
+    experts_per_token: int = 2,
+    moe_intermediate_size: int | None = None,
+    planted_tie: tuple | None = None,
 ) -> Path:
     """Write a random mlx-lm model directory; the tokenizer is copied from `tokenizer_from`
-    (a model directory; default: the embedded fixture target)."""
+    (a model directory; default: the embedded fixture target). MoE families get
+    `num_experts` experts, `experts_per_token` of them per token; `planted_tie`
+    = (layer, expert_a, expert_b, eps) makes expert_b's router row expert_a's plus
+    eps * noise, so their gate values stay near-tied on every token (routing flips)."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -64,7 +75,13 @@ def make_random_model(
         "rope_theta": 10000.0,
         "tie_word_embeddings": tie,
         "torch_dtype": dtype,
+        **BASE_CONFIGS.get(model_type, {}),
     }
+    if model_type == "qwen3_moe":
+        config.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                      moe_intermediate_size=moe_intermediate_size or intermediate_size)
+    elif model_type == "mixtral":
+        config.update(num_local_experts=num_experts, num_experts_per_tok=experts_per_token)
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))
@@ -76,15 +93,37 @@ def make_random_model(
             new.append((k, mx.ones_like(v) + 0.1 * mx.random.normal(v.shape, key=mx.random.key(seed * 1000 + i))))
         else:
             new.append((k, 0.08 * mx.random.normal(v.shape, key=mx.random.key(seed * 1000 + i))))
+    if planted_tie is not None:
+        new = _plant_tie(new, planted_tie, seed)
     model.load_weights(new)
     model.set_dtype(getattr(mx, dtype))
-    if quantize_bits:
+    if quantize_bits and hasattr(model, "quant_predicate"):
+        # as `mlx_lm.convert -q` does: the family's own predicate (qwen3_moe: the router at 8 bits)
+        from mlx_lm.utils import quantize_model
+
+        model, config = quantize_model(model, config, group_size=32, bits=quantize_bits)
+    elif quantize_bits:
         nn.quantize(model, group_size=32, bits=quantize_bits)
         config["quantization"] = {"group_size": 32, "bits": quantize_bits}
     mx.eval(model.parameters())
     save_model(path, model, donate_model=False)
     save_config(config, config_path=path / "config.json")
     return path
+
+
+def _plant_tie(params: list, tie: tuple, seed: int) -> list:
+    import mlx.core as mx
+
+    layer, ea, eb, eps = tie
+    out = []
+    for k, v in params:
+        if k.endswith(f"layers.{layer}.mlp.gate.weight") or k.endswith(f"layers.{layer}.block_sparse_moe.gate.weight"):
+            noise = mx.random.normal(v.shape[1:], key=mx.random.key(seed + 99))
+            rows = [v[i] for i in range(v.shape[0])]
+            rows[eb] = rows[ea] + eps * noise
+            v = mx.stack(rows)
+        out.append((k, v))
+    return out
 
 
 def _fixture_target() -> Path:
