@@ -42,3 +42,7 @@ class ReplayError(DivergenceInputError):
 class RecordError(DivergenceInputError):
     """A record another engine gave (divergence.record, `divergence import`) breaks the
     recording contract (docs/recording.md): missing field, wrong type, unknown request..."""
+
+
+class TensorParallelError(DivergenceInputError):
+    """A model cannot be sharded N ways (--tp), or the launched group is not the one asked for."""

@@ -68,6 +68,20 @@ class KernelChoice:
     expert: int = -1
 
 
+@dataclass(frozen=True)
+class AllReduce:
+    """One all-reduce of a sharded-to-all op under tensor parallelism (its partial sums
+    added across the ranks); layer == num_layers never occurs (lm_head is not sharded)."""
+
+    step: int
+    model: str
+    layer: int
+    op: str  # "o_proj" | "down_proj"
+    ranks: int  # group size
+    bytes: int  # message size per rank
+    backend: str  # one of names.TP_BACKENDS
+
+
 @dataclass
 class KvWrite:
     """One write of K/V rows of one request and layer into the paged cache."""
@@ -153,7 +167,7 @@ class Observer:
     `wants_kv_hashes` / `wants_topk` / `wants_kernels`: the engine skips that work
     when no observer asks, so an unobserved run pays nothing for tracing.
 
-    Order within one step: on_kernel* (during the forward), on_kv_write*, on_routing*,
+    Order within one step: on_kernel* and on_allreduce* (during the forward), on_kv_write*, on_routing*,
     on_token*, on_request* (arrivals are sent before the step that first
     schedules them; finishes after its tokens), then on_step, which closes the
     step: a writer flushes there.
@@ -167,6 +181,7 @@ class Observer:
     def on_run_start(self, info: RunInfo) -> None: ...
     def on_step(self, event: StepEvent) -> None: ...
     def on_kernel(self, choice: KernelChoice) -> None: ...
+    def on_allreduce(self, event: AllReduce) -> None: ...
     def on_kv_write(self, write: KvWrite) -> None: ...
     def on_routing(self, routing: Routing) -> None: ...
     def on_token(self, event: TokenEvent) -> None: ...

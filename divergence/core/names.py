@@ -36,6 +36,10 @@ GEMM = "gemm"
 BATCH_INVARIANT = "batch-invariant"
 KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT)
 
+# How tensor parallelism would shard a linear op (mlx-lm's shard_linear modes); None = replicated.
+ALL_TO_SHARDED = "all-to-sharded"
+SHARDED_TO_ALL = "sharded-to-all"
+
 # Schedules: serial (one request at a time), concurrent (continuous batching), and
 # warm (serial on a prefix cache pre-filled by a batched warm-up of the same prompts).
 SERIAL = "serial"
@@ -53,3 +57,6 @@ REQUEST_EVENTS = ("arrived", "finished", "error")
 # Record kinds of the recording contract another engine follows (divergence.record,
 # `divergence import`, docs/recording.md), in the order a step's records come.
 RECORD_KINDS = ("run", "request", "step", "kernel", "kv_write", "token", "finish")
+
+# mx.distributed backends an all-reduce ran on (tensor parallelism).
+TP_BACKENDS = ("ring", "mpi", "nccl", "jaccl", "single")

@@ -65,6 +65,21 @@ SOLO_NAME = "solo"
 SOLO = SoloStep()
 
 
+@dataclass(frozen=True)
+class UnshardedStep:
+    """Replay forcing for a whole step of a tensor-parallel trace: every sharded op runs
+    on the full, unsharded weights on every rank (input gathered for sharded-to-all ops,
+    no all-reduce; own columns cut from the full product for all-to-sharded ops), so the
+    step computes what one device computes: how a TP=1 vs TP=N cause is confirmed."""
+
+    def __str__(self) -> str:
+        return UNSHARDED_NAME
+
+
+UNSHARDED_NAME = "unsharded"
+UNSHARDED = UnshardedStep()
+
+
 def _int_after_colon(text: str) -> int:
     try:
         return int(text.split(":", 1)[1])

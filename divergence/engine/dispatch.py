@@ -3,6 +3,10 @@
 A `KernelPolicy` maps a row count (and shape) to a kernel. The
 `KernelDispatcher` applies it to every linear op of a step, honours per-step
 forcing (replay), and emits a `KernelChoice` event for each decision.
+
+Tensor parallelism: a LinearOp marked sharded-to-all is followed by `all_reduce(out,
+op, layer)` when one is set (None: one device, nothing to reduce); a step forced
+UNSHARDED runs sharded ops through `unsharded(x, op, layer)` instead (engine/tp.py).
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import mlx.core as mx
 
 from . import kernels
 from ..core.events import KernelChoice
+from ..core.names import SHARDED_TO_ALL
 from .kernels import LinearOp
 from .native_classes import NativeClassProbe
-from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep
+from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
 
@@ -30,15 +35,19 @@ class KernelDispatcher:
         # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
         self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
         self._step = -1
+        self._unsharded = False
         # class signatures of native ops, for the trace; the forward's own probe when given,
         # so signatures are measured once per model, not once per run
         self.classes = classes or NativeClassProbe()
         self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
+        self.all_reduce: Callable[[mx.array, LinearOp, int], mx.array] | None = None
+        self.unsharded: Callable[[mx.array, LinearOp, int], mx.array] | None = None
 
     def begin_step(self, step: int) -> None:
         self._step = step
         forced = self.forced.get(step, self.policy)
-        self._step_policy = self.policy if isinstance(forced, SoloStep) else forced
+        self._step_policy = self.policy if isinstance(forced, (SoloStep, UnshardedStep)) else forced
+        self._unsharded = isinstance(forced, UnshardedStep) and self.unsharded is not None
 
     @property
     def step(self) -> int:
@@ -54,6 +63,11 @@ class KernelDispatcher:
         return sp.get(op_name, self.policy) if isinstance(sp, dict) else sp
 
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
+        if self._unsharded and op.shard is not None:
+            return self.unsharded(x, op, layer)  # runs the full op through run_kernel
+        return self.run_kernel(x, op, layer)
+
+    def run_kernel(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         m = x.shape[0]
         policy = self.policy_for(op.name)
         kernel = policy.kernel_for(m)
@@ -68,6 +82,8 @@ class KernelDispatcher:
             out = kernels.run_batch_invariant(x, op)
         else:
             out = kernels.run_native(x, op)
+        if self.all_reduce is not None and op.shard == SHARDED_TO_ALL:
+            out = self.all_reduce(out, op, layer)
         if self.emit is not None:
             sig = self.classes.signature(op, m, x.dtype) if kernel == NATIVE else 0
             self.emit(KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits, sig))

@@ -64,6 +64,7 @@ class Engine:
         prefix_caching: bool = False,
         stop_at_eos: bool = True,
         observers: list[Observer] | tuple = (),
+        tp=None,
     ):
         self.target = target
         self.draft = draft if spec_k > 0 else None
@@ -84,6 +85,16 @@ class Engine:
         self.observers = list(observers)
         self._target_fwd = PackedForward(target)
         self._draft_fwd = PackedForward(self.draft) if self.draft else None
+        # tensor parallel (engine.tp.TensorParallel of this process's group): shard both
+        # models for this rank; its all-reduces are events like kernel choices
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            from .tp import shard_forward
+
+            for fwd in (self._target_fwd, self._draft_fwd):
+                if fwd is not None:
+                    shard_forward(fwd, self.tp, keep_full=self.tp.keep_full)
+            self.tp.emit = lambda e: self._emit("on_allreduce", e)
         eos = getattr(target.tokenizer, "eos_token_ids", None) or []
         self.eos_ids = set(int(t) for t in eos)
         self.vocab = self._target_fwd.head.n
@@ -113,6 +124,7 @@ class Engine:
             "prefix_caching": self.prefix_caching,
             "stop_at_eos": self.stop_at_eos,
             "dtype": self.target.dtype,
+            **({"tp": self.tp.describe()} if self.tp is not None else {}),
         }
 
     def check(self, req: Request) -> str:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..core.names import ALL_TO_SHARDED, SHARDED_TO_ALL
+
 
 GEMM_TILE = 64  # output tile edge used by the split-K heuristic
 GEMM_TARGET_TILES = 32  # split K until about this many (tile x split) work items
@@ -32,6 +34,10 @@ class LinearOp:
     n: int  # output features
     k: int  # input features
     tied_embedding: bool = False
+    # How tensor parallelism shards it (mlx-lm's shard_linear modes): the input-side
+    # projections split their outputs (all-to-sharded), o_proj / down_proj split their
+    # inputs and need an all-reduce after (sharded-to-all); None = replicated (lm_head).
+    shard: str | None = None
 
     @property
     def quantized(self) -> bool:
@@ -43,10 +49,18 @@ class LinearOp:
         return self.module(x)
 
     @classmethod
-    def from_module(cls, name: str, module: nn.Module, *, tied_embedding: bool = False) -> "LinearOp":
+    def from_module(cls, name: str, module: nn.Module, *, tied_embedding: bool = False,
+                    shard: str | None = None) -> "LinearOp":
         # Linear and Embedding weights are both [out, in] (the tied head reads the table as W).
         n = module.weight.shape[0]
-        return cls(name=name, module=module, n=n, k=_input_features(module), tied_embedding=tied_embedding)
+        return cls(name=name, module=module, n=n, k=_input_features(module), tied_embedding=tied_embedding,
+                   shard=shard if shard is not None else SHARD_OF.get(name))
+
+
+# The tensor-parallel mode of each linear op of a dense decoder layer, as mlx-lm shards them.
+SHARD_OF = {"q_proj": ALL_TO_SHARDED, "k_proj": ALL_TO_SHARDED, "v_proj": ALL_TO_SHARDED,
+            "o_proj": SHARDED_TO_ALL, "gate_proj": ALL_TO_SHARDED, "up_proj": ALL_TO_SHARDED,
+            "down_proj": SHARDED_TO_ALL}
 
 
 def _input_features(module: nn.Module) -> int:

@@ -28,8 +28,19 @@ class ModelState:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = forward.make_cache(num_blocks, block_size)
         self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes)
+        if getattr(forward, "tp", None) is not None:  # tensor parallel: all-reduce, unsharded replay
+            from .tp import attach
+
+            attach(self.dispatch, forward.tp)
 
     def forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False) -> StepOutput:
+        out = self._forward_step(plan, keep_kv=keep_kv, keep_routing=keep_routing)
+        tp = getattr(self.forward, "tp", None)
+        if keep_kv and tp is not None:  # hash K/V as one device holds them: all heads
+            out = replace(out, k_written=tp.gather_heads(out.k_written), v_written=tp.gather_heads(out.v_written))
+        return out
+
+    def _forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False) -> StepOutput:
         """The step's forward pass (lazy). A step forced SOLO runs each slice in its own
         pass, evaluated before the next, exactly as a step holding only that slice;
         outputs are joined in slice order."""

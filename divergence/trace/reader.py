@@ -248,6 +248,27 @@ class Trace:
     def _all_kernels(self) -> dict[str, np.ndarray]:
         return self._visible("kernels")
 
+    def allreduces(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """Tensor-parallel all-reduce records (all, or of one step), op / model / backend
+        as names; empty for traces of one device (or written before the table existed)."""
+        if "allreduce" in self.f:
+            t = self._visible("allreduce")
+        else:
+            t = {k: np.zeros(0, dt) for k, (dt, _) in S.TABLES["allreduce"].items()}
+        if step is not None:
+            sel = t["step"] == step
+            t = {k: v[sel] for k, v in t.items()}
+        out = dict(t)
+        out["op"] = np.array(S.OPS)[t["op"]]
+        out["model"] = np.array(S.MODELS)[t["model"]]
+        out["backend"] = np.array(self.f.attrs.get("tp_backends", list(S.TP_BACKENDS)))[t["backend"]]
+        return out
+
+    @property
+    def tp_degree(self) -> int:
+        """Tensor-parallel degree the trace was recorded at (1: one device)."""
+        return int((self.meta.get("settings", {}).get("tp") or {}).get("degree", 1))
+
     def kv_writes(self) -> dict[str, np.ndarray]:
         return self._kv_writes
 

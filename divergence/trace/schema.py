@@ -18,6 +18,7 @@ PHASES = names.PHASES
 KERNELS = names.KERNELS
 OPS = names.OPS
 REQUEST_EVENTS = names.REQUEST_EVENTS
+TP_BACKENDS = names.TP_BACKENDS
 
 STATUS = "status"  # int8 [1]: 0 running (or killed), 1 completed
 
@@ -77,6 +78,15 @@ TABLES: dict[str, dict[str, tuple]] = {
         "position": (np.int32, "sequence position of the token (prompt length + generated index)"),
         "token": (np.int32, "token id"),
         "spec": (np.int8, "0 plain, 1 accepted draft proposal, 2 target token after a rejection / bonus"),
+    },
+    "allreduce": {  # tensor parallelism: one record per all-reduce (rank 0's view; every rank does the same)
+        "step": (np.int64, "step index"),
+        "model": (np.int8, "code into attrs['models']"),
+        "layer": (np.int16, "transformer layer"),
+        "op": (np.int8, "code into attrs['ops']: the op whose partial sums were reduced"),
+        "ranks": (np.int16, "ranks in the group"),
+        "bytes": (np.int64, "bytes reduced per rank"),
+        "backend": (np.int8, "code into attrs['tp_backends']"),
     },
     "request_events": {
         "step": (np.int64, "step at which it happened"),

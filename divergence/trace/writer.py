@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..core.events import KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
+from ..core.events import AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
 from . import schema as S
 
 FLUSH_SECONDS = 0.5
@@ -111,6 +111,7 @@ class TraceWriter(Observer):
         f.attrs["kernels"] = self.kernels
         f.attrs["ops"] = self.ops
         f.attrs["kinds"] = list(S.REQUEST_EVENTS)
+        f.attrs["tp_backends"] = list(S.TP_BACKENDS)
         meta = f.create_group(S.META)
         meta.attrs["settings"] = _json(info.settings)
         meta.attrs["model"] = _json(info.model)
@@ -172,6 +173,10 @@ class TraceWriter(Observer):
         self.tables["kernels"].add(step=c.step, model=S.MODELS.index(c.model), layer=c.layer, op=self._op_code[c.op],
                                    rows=c.rows, kernel=self._kernel_code[c.kernel], m=c.m, n=c.n, k=c.k,
                                    splits=c.splits, native_class=c.native_class)
+
+    def on_allreduce(self, e: AllReduce) -> None:
+        self.tables["allreduce"].add(step=e.step, model=S.MODELS.index(e.model), layer=e.layer, op=S.OPS.index(e.op),
+                                     ranks=e.ranks, bytes=e.bytes, backend=S.TP_BACKENDS.index(e.backend))
 
     def on_kv_write(self, w: KvWrite) -> None:
         self.tables["kv/writes"].add(step=w.step, model=S.MODELS.index(w.model), request=self._rid(w.request_id),

@@ -1,0 +1,195 @@
+"""Start N tensor-parallel ranks on this machine and watch them: `divergence run --tp N`
+needs no extra command. Imports neither mlx nor the engine (the parent is no rank).
+
+Ranks join over MLX's ring backend on 127.0.0.1 (free ports from the OS; a launch
+whose ranks cannot connect is retried on new ports), each with MLX_RANK and
+MLX_HOSTFILE as mlx.launch would set them. Rank 0's stdout is this process's; its
+stderr is forwarded without the ring's own per-socket messages; other ranks' output
+goes to files shown on failure. A rank that dies stops the whole group within
+seconds: the survivors see the ring connection drop and stop by themselves (rank 0
+closes its trace, keeping every step it wrote), and whoever is still alive after a
+grace period is killed, so a run never hangs. The failure is one line on stderr.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+SIZE_ENV = "DIVERGENCE_TP_SIZE"  # same names as engine/tp.py (which imports mlx)
+DIR_ENV = "DIVERGENCE_TP_DIR"
+# exit codes a rank uses beyond the CLI's 0/1/2/130
+PEER_LOST = 75  # a collective failed: another rank is gone
+CRASHED = 70  # an unexpected exception inside a rank
+READY_TIMEOUT = 120.0  # seconds for all ranks to connect (loading MLX on a busy machine)
+GRACE = 5.0  # seconds survivors get to stop by themselves once one rank failed
+POLL = 0.05
+RETRIES = 3  # launches on fresh ports when the ranks could not connect
+
+
+class LaunchFailed(Exception):
+    """The ranks could not all connect (e.g. a port was taken): retry elsewhere."""
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports the OS says are free now (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _die_with_parent() -> None:  # runs in the child before exec (Linux): no orphaned ranks
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def launch(command: list[str], n: int, *, label: str = "divergence", env: dict | None = None) -> int:
+    """Run `command` (argv, e.g. [python, -m, divergence, run, ...]) as n ranks; returns
+    rank 0's exit code, or 1 with one line on stderr when a rank failed."""
+    last = ""
+    for _ in range(RETRIES):
+        try:
+            return _launch_once(command, n, label, env)
+        except LaunchFailed as e:
+            last = str(e)
+    print(f"{label}: error: could not connect {n} tensor-parallel ranks over 127.0.0.1: {last}", file=sys.stderr)
+    return 1
+
+
+def _launch_once(command, n, label, extra_env) -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="divergence-tp-"))
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    procs, logs = [], []
+    for r in range(n):
+        env = {**os.environ, **(extra_env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
+               SIZE_ENV: str(n), DIR_ENV: str(tmp)}
+        out = None if r == 0 else open(tmp / f"rank{r}.log", "wb")
+        err = subprocess.PIPE if r == 0 else subprocess.STDOUT
+        procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err,
+                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None))
+        if out is not None:
+            logs.append(out)
+    tail: list[str] = []
+    fwd = threading.Thread(target=_forward_stderr, args=(procs[0].stderr, tail), daemon=True)
+    fwd.start()
+    try:
+        code = _watch(procs, tmp, n, label, tail)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        fwd.join(timeout=2)
+        for f in logs:
+            f.close()
+    return code
+
+
+def _forward_stderr(pipe, tail: list) -> None:
+    """Rank 0's stderr to ours, minus the ring backend's '[ring] ...' socket chatter."""
+    for raw in iter(pipe.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        if line.startswith("[ring]"):
+            continue
+        tail.append(line)
+        del tail[:-20]
+        if not _quiet(line):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+    pipe.close()
+
+
+def _quiet(line: str) -> bool:
+    return line.startswith("divergence-tp:")  # rank 0's failure report: the launcher words it
+
+
+def _watch(procs, tmp: Path, n: int, label: str, tail: list) -> int:
+    started = time.monotonic()
+    ready = False
+    failed_at = None
+    failure = ""
+    rank0_done = None  # when rank 0 exited normally (the others then only have their exit left)
+    while True:
+        codes = [p.poll() for p in procs]
+        if not ready:
+            ready = all((tmp / f"ready.{r}").exists() for r in range(n))
+            if not ready and time.monotonic() - started > READY_TIMEOUT:
+                raise LaunchFailed(f"not all ranks connected within {READY_TIMEOUT:.0f} s")
+        if failed_at is None:
+            for r, c in enumerate(codes):
+                if c is not None and (c < 0 or c in (PEER_LOST, CRASHED)):
+                    if not ready and c >= 0 and _connect_error(tmp, r, tail):
+                        raise LaunchFailed(_last_line(tmp, r, tail))
+                    failed_at, failure = time.monotonic(), _describe(r, c, tmp, tail)
+                    break
+        if all(c is not None for c in codes):
+            break
+        if codes[0] is not None and failed_at is None:
+            rank0_done = rank0_done or time.monotonic()
+            if time.monotonic() - rank0_done > 30:
+                break
+        if failed_at is not None and time.monotonic() - failed_at > GRACE:
+            break
+        time.sleep(POLL)
+    if failed_at is None:
+        return procs[0].returncode if procs[0].returncode is not None else 1
+    print(f"{label}: error: {failure}{_partial_note(tmp)}", file=sys.stderr)
+    return 1
+
+
+def _describe(rank: int, code: int, tmp: Path, tail: list) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"tensor-parallel rank {rank} died (killed by {name}); stopped all ranks"
+    if code == PEER_LOST:
+        return f"tensor-parallel rank {rank} lost its connection to another rank; stopped all ranks"
+    return f"tensor-parallel rank {rank} failed: {_last_line(tmp, rank, tail)}"
+
+
+def _last_line(tmp: Path, rank: int, tail: list) -> str:
+    if rank == 0:
+        lines = [ln.strip() for ln in tail if ln.strip() and not _quiet(ln)]
+    else:
+        try:
+            lines = [ln.strip() for ln in (tmp / f"rank{rank}.log").read_text(errors="replace").splitlines()
+                     if ln.strip() and not ln.startswith("[ring]")]
+        except OSError:
+            lines = []
+    return lines[-1] if lines else "no output"
+
+
+def _connect_error(tmp: Path, rank: int, tail: list) -> bool:
+    line = _last_line(tmp, rank, tail).lower()
+    return any(w in line for w in ("address already in use", "connect", "bind"))
+
+
+def _partial_note(tmp: Path) -> str:
+    """Rank 0's report of the traces it had written when it stopped."""
+    try:
+        rep = json.loads((tmp / "rank0.failure").read_text())
+    except (OSError, ValueError):
+        return ""
+    kept = [f"{p} ({s} steps)" for p, s in rep.get("partial", [])]
+    return f"; steps already written are kept in {', '.join(kept)}" if kept else ""
