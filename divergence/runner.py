@@ -21,6 +21,7 @@ class RunConfig:
     prefix_cache: bool = False
     kv_hashes: bool = True
     stop_at_eos: bool = True
+    tp: int = 1  # tensor-parallel degree: > 1 runs inside this process's mx.distributed group
 
 
 _MODEL_CACHE: dict = {}
@@ -46,7 +47,15 @@ def make_engine(cfg: RunConfig, target, draft, observers=()):
 
     return Engine(target, draft, policy=cfg.policy, spec_k=cfg.spec_k, token_budget=cfg.token_budget,
                   top_k=cfg.top_k, prefix_caching=cfg.prefix_cache, stop_at_eos=cfg.stop_at_eos,
-                  observers=list(observers))
+                  observers=list(observers), tp=_tp_group(cfg))
+
+
+def _tp_group(cfg: RunConfig):
+    if cfg.tp <= 1:
+        return None
+    from .engine.tp import current
+
+    return current()  # joined by the CLI (cli/tp_cli.py) before the command ran
 
 
 class _Progress(Observer):
@@ -91,6 +100,14 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    if engine.tp is not None and not engine.tp.writes:  # tensor parallel: only rank 0 writes
+        from .engine.tp import Mirror
+
+        for schedule in schedules:
+            engine.observers = [Mirror(cfg.kv_hashes)]
+            results[schedule] = engine.run(requests, schedule)
+        engine.observers = []
+        return results
     for schedule in schedules:
         path = out_dir / f"{schedule}.h5"
         tmp = path.with_suffix(".h5.partial")

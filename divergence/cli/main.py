@@ -48,6 +48,11 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        from .tp_cli import distribute
+
+        code = distribute(args, argv)  # --tp: start the ranks here, or run as one of them
+        if code is not None:
+            return code
         return int(args._run(args) or 0)
     except DivergenceInputError as e:
         print(f"divergence {args.command}: error: {e}", file=sys.stderr)

@@ -26,6 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
     p.add_argument("--ignore-eos", action="store_true", default=None,
                    help="generate max_tokens even past end-of-text (on in the demo, so divergences have room)")
+    p.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shard the models over N ranks "
+                   "(started here over 127.0.0.1, or the group mlx.launch started); rank 0 writes the traces")
     p.add_argument("--out", metavar="DIR", default="traces", help="where traces go (default ./traces)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
@@ -36,6 +38,7 @@ def main(args) -> int:
     from ..core.names import SCHEDULES
     from ..prompts import builtin_requests, load_prompts
     from ..runner import RunConfig, load_models, run_schedules
+    from .tp_cli import is_writer, tp_degree
     from ..trace.reader import Trace
 
     demo = args.model is None
@@ -56,7 +59,8 @@ def main(args) -> int:
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
                     top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
-                    stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo))
+                    stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo),
+                    tp=tp_degree(args))
     target, draft = load_models(cfg)
     if args.prompts:
         requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens)
@@ -74,10 +78,17 @@ def main(args) -> int:
     say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
         + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
     say(f"BLAS: {blas_in_use()}")
+    if cfg.tp > 1:
+        from ..engine.tp import current
+
+        t = current()
+        say(f"tensor parallel: {t.size} ranks over {t.backend} ({t.launcher}); rank 0 writes the traces")
     if demo and args.policy is None:
         say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
             "on a CPU whose own kernels are batch-invariant")
     results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
+    if not is_writer():
+        return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
     paths = {s: str(out / f"{s}.h5") for s in schedules}
     diffs = {}
     base = schedules[0]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.events import AllReduce
+from ..core.events import AllReduce, Observer
 from ..core.names import ALL_TO_SHARDED
 from ..errors import TensorParallelError
 from .kernels import LinearOp
@@ -79,6 +79,15 @@ class TensorParallel:
         g = mx.distributed.all_gather(a.reshape(lay * t, h * d), group=self.group)  # [N*lay*t, h*d]
         g = g.reshape(self.size, lay, t, h, d).transpose(1, 2, 0, 3, 4)
         return g.reshape(lay, t, self.size * h, d)
+
+
+class Mirror(Observer):
+    """What a rank other than 0 observes: nothing is kept, but it asks for the same
+    work that takes part in collectives (gathering K/V rows for hashing), so every
+    rank's collectives match rank 0's."""
+
+    def __init__(self, kv_hashes: bool):
+        self.wants_kv_hashes = kv_hashes
 
 
 # -- the process-wide group ------------------------------------------------------------
@@ -143,6 +152,8 @@ def check_divisible(forward, size: int) -> None:
     if size < 1:
         raise TensorParallelError(f"--tp must be >= 1, got {size}")
     f = forward
+    if any(ops.gate is None for ops in f.ops):
+        raise TensorParallelError(f"--tp {size}: mixture-of-experts layers are not sharded (dense models only)")
     for what, n in (("attention heads", f.n_heads), ("KV heads", f.n_kv_heads)):
         if n % size:
             raise TensorParallelError(f"--tp {size} does not divide the model's {n} {what}")

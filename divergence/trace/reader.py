@@ -259,9 +259,9 @@ class Trace:
             sel = t["step"] == step
             t = {k: v[sel] for k, v in t.items()}
         out = dict(t)
-        out["op"] = np.array(S.OPS)[t["op"]]
+        out["op"] = self._names("ops", S.OPS)[t["op"]]
         out["model"] = np.array(S.MODELS)[t["model"]]
-        out["backend"] = np.array(self.f.attrs.get("tp_backends", list(S.TP_BACKENDS)))[t["backend"]]
+        out["backend"] = self._names("tp_backends", S.TP_BACKENDS)[t["backend"]]
         return out
 
     @property
