@@ -1,6 +1,8 @@
 """`divergence bisect A.h5 B.h5 [--confirm]`: from a divergent token back to the step that caused it."""
 from __future__ import annotations
 
+import sys
+
 from .common import emit_json, open_pair
 
 HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
@@ -15,30 +17,41 @@ def add_arguments(p) -> None:
     p.add_argument("--bitwise", action="store_true",
                    help="a request whose tokens match but whose logits differ counts as diverged: it gets a root "
                         "cause (and with --confirm a confirmation) like any other, and the exit code is 1")
+    p.add_argument("--html", metavar="OUT.html", help="also write the report as one self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 
 def main(args) -> int:
-    from ..analysis.bisect import bisect_traces
     from ..analysis.report import render_bisect
+    from .report_cmd import check_out, write_page
 
+    html = check_out(args.html) if getattr(args, "html", None) else None
     a, b = open_pair(args.a, args.b)
     with a, b:
-        replayer = bisector = None
-        labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
-        if args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
-            from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
-
-            if args.confirm:
-                check_replayable(a)
-                check_replayable(b)
-            engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
-            replayer = make_confirmer(a, b, engine_replayer, *labels)
-            bisector = make_replay_bisector(a, b, engine_replayer, *labels)
-        report = bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector,
-                               bitwise=args.bitwise)
+        report = build_report(args, a, b)
+        if html is not None:
+            print(write_page(report, a, b, html), file=sys.stderr)
         if args.json:
             emit_json(report.to_json())
         else:
             print(render_bisect(report, a.vocab))
     return 0 if report.identical else 1
+
+
+def build_report(args, a, b):
+    """The BisectReport of two open traces, as the options ask (report_cmd uses it too)."""
+    from ..analysis.bisect import bisect_traces
+
+    replayer = bisector = None
+    labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
+    if args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
+        from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
+
+        if args.confirm:
+            check_replayable(a)
+            check_replayable(b)
+        engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
+        replayer = make_confirmer(a, b, engine_replayer, *labels)
+        bisector = make_replay_bisector(a, b, engine_replayer, *labels)
+    return bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector,
+                         bitwise=args.bitwise)

@@ -11,7 +11,7 @@ import sys
 
 from ..errors import DivergenceInputError
 
-SUBCOMMANDS = ("run", "diff", "bisect", "replay", "browse", "sweep", "probe", "import")
+SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import")
 
 
 class _Parser(argparse.ArgumentParser):

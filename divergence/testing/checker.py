@@ -118,20 +118,43 @@ def _run_marker(item, checker: ReproducibilityChecker) -> None:
 
 def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:
     """Copy a failed check's traces into the artifacts folder (when they are elsewhere,
-    e.g. a direct `assert_reproducible` call). Returns the kept paths."""
+    e.g. a direct `assert_reproducible` call), with an HTML page of the report beside them.
+    Returns the kept paths."""
     traces = getattr(exc, "traces", None)
     if settings.artifacts is None or not traces:
         return []
     dest = settings.artifacts / artifact_name(nodeid)
-    kept = []
+    kept = {}
     for label, src in traces.items():
         src = Path(src)
         if settings.artifacts.resolve() in src.resolve().parents:
-            kept.append(str(src))  # written there already
+            kept[label] = str(src)  # written there already
             continue
         if src.exists():
             dest.mkdir(parents=True, exist_ok=True)
             target = dest / f"{artifact_name(label)}.h5"
             shutil.copyfile(src, target)
-            kept.append(str(target))
-    return kept
+            kept[label] = str(target)
+    return list(kept.values()) + (write_pages(getattr(exc, "report", None), kept) if kept else [])
+
+
+def write_pages(report, paths: dict) -> list[str]:
+    """The HTML page of each diverged pair, beside its kept traces: report.html (with more
+    than two schedules, report-<schedule>.html per comparison). Returns what it wrote."""
+    from ..analysis.html import write_html
+    from ..trace.reader import Trace
+
+    reports = report if isinstance(report, dict) else {None: report}
+    out = []
+    for key, rep in reports.items():
+        if rep is None or not hasattr(rep, "diff") or rep.identical:
+            continue
+        d = rep.diff
+        pa, pb = paths.get(d.label_a, d.path_a), paths.get(d.label_b, d.path_b)
+        name = "report.html" if len(reports) == 1 else f"report-{artifact_name(str(key))}.html"
+        try:
+            with Trace.open(pa) as a, Trace.open(pb) as b:
+                out.append(str(write_html(rep, a, b, Path(pb).parent / name)))
+        except Exception as e:  # the page is extra: it must never hide the failure it explains
+            out.append(f"(html report not written: {type(e).__name__}: {e})")
+    return out

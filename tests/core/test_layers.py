@@ -124,7 +124,7 @@ def test_no_import_cycles_between_packages():
     assert not cycles, "import cycles between packages: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_reading_diffing_bisecting_and_the_plugin_load_neither_mlx_nor_a_blas(tmp_path):
+def test_reading_diffing_bisecting_the_html_page_and_the_plugin_load_neither_mlx_nor_a_blas(tmp_path):
     a, b = tmp_path / "a.h5", tmp_path / "b.h5"
     # write the pair in this process (it may import anything), read it in a clean one
     sys.path.insert(0, str(Path(__file__).parents[1] / "trace"))
@@ -143,11 +143,13 @@ def test_reading_diffing_bisecting_and_the_plugin_load_neither_mlx_nor_a_blas(tm
         from divergence.analysis.bisect import bisect_traces
         from divergence.analysis.diff import diff_traces
         from divergence.analysis.report import render_bisect
+        from divergence.analysis.html import render_html
         import divergence.testing.plugin
         import divergence.tui.app
         with divergence.Trace.open({str(a)!r}) as ta, divergence.Trace.open({str(b)!r}) as tb:
             rep = bisect_traces(ta, tb)
             render_bisect(rep)
+            render_html(rep, ta, tb)
             assert not rep.diff.identical
         mods = sorted(m for m in sys.modules if m == "mlx" or m.startswith("mlx.") or m.startswith("mlx_lm")
                       or m.startswith("divergence.engine") or m == "divergence.blas")

@@ -49,7 +49,9 @@ def test_bad(divergence_check, policy):
     out = result.stdout.str()
     for frame in ("assertions.py", "checker.py", "plugin.py"):  # __tracebackhide__: the report, not our frames
         assert frame not in out
-    assert sorted(p.name for p in art.iterdir()) == ["concurrent.h5", "serial.h5"]
+    assert sorted(p.name for p in art.iterdir()) == ["concurrent.h5", "report.html", "serial.h5"]
+    page = (art / "report.html").read_text()
+    assert "root cause: cache contamination" in page and "confirmed by replay" in page
 
 
 def test_direct_assertion_traces_are_copied_to_the_artifacts(pytester, run, header):
@@ -63,9 +65,10 @@ def test_direct(tmp_path):
     result.assert_outcomes(failed=1)
     art = pytester.path / "out" / "ci" / "test_direct.py__test_direct"
     result.stdout.fnmatch_lines(["E *Diverged requests: 1 / 3 (r1)", "*- divergence artifacts -*",
-                                 f"{art}/serial.h5", f"{art}/concurrent.h5"])
+                                 f"{art}/serial.h5", f"{art}/concurrent.h5", f"{art}/report.html"])
     assert "confirmed" not in result.stdout.str()
-    assert sorted(p.name for p in art.iterdir()) == ["concurrent.h5", "serial.h5"]
+    assert sorted(p.name for p in art.iterdir()) == ["concurrent.h5", "report.html", "serial.h5"]
+    assert "not confirmed (run with --confirm" in (art / "report.html").read_text()
 
 
 def test_marker_on_a_parametrised_test(pytester, run, header):

@@ -1,0 +1,94 @@
+"""The HTML report on synthetic traces (fast, no model): every section renders from
+what the traces and the bisect report hold, the page stays small and self-contained,
+and traces without KV hashes, killed runs and identical pairs still give a page."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from divergence.analysis.bisect import bisect_traces
+from divergence.analysis.html import render_html
+from divergence.analysis.report import render_bisect
+from divergence.trace.reader import Trace
+
+from tui import story  # noqa: E402  (tests/ is on sys.path: the synthetic story pair of the browser's tests)
+
+URL = re.compile(r"https?://", re.I)
+ATTR = re.compile(r"""\b(?:src|href)\s*=\s*["']?([^"'\s>]*)""", re.I)
+
+
+def page(pa, pb) -> tuple[str, object]:
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        rep = bisect_traces(a, b)
+        return render_html(rep, a, b), render_bisect(rep, a.vocab)
+
+
+def self_contained(html: str) -> None:
+    assert not URL.search(html), URL.search(html)
+    refs = ATTR.findall(html)
+    assert all(r.startswith(("data:", "#")) for r in refs), [r for r in refs if not r.startswith(("data:", "#"))]
+    assert "<script" not in html.lower() and "<link" not in html.lower() and "@import" not in html
+
+
+def test_story_pair_page_holds_every_section(tmp_path):
+    pa, pb = story.write_pair(tmp_path)
+    html, text = page(pa, pb)
+    self_contained(html)
+    s = story.STORY
+    # the root-cause text is the CLI's, line for line
+    for line in text.splitlines():
+        if "root cause" in line or "written in" in line or "first divergent token" in line:
+            assert line.strip().replace("'", "&#x27;") in html, line
+    assert f"concurrent step {s.contaminating_step}" in html
+    for sec in ("summary", "root-cause", "settings", "requests", "timeline"):
+        assert f"id={sec}" in html
+    # one margin plot and one KV grid for the one diverged request, a timeline; all inline SVG
+    assert html.count("class='figure margin-plot'") == 1 and html.count("class='figure kv-grid'") == 1
+    assert html.count("class='figure timeline-plot'") == 1 and html.count("<svg") == 3
+    assert ">first numeric difference</text>" in html and f">(position {s.numeric_position})</text>" in html
+    assert ">flip</text>" in html and f">(position {s.flip_position})</text>" in html
+    # the first divergent token is marked in both texts
+    assert html.count("<mark class=flip") == 2
+    # the earliest differing KV cell is the contaminated position
+    assert f"earliest: layer 0, position {s.contaminated_position}" in html
+    # the root-cause step is highlighted in B's step table, with the co-batched request shown
+    table_b = html[html.index("id=steps-b"):]
+    row = re.search(r"<tr class='cause'><td>%d</td>.*?</tr>" % s.contaminating_step, table_b)
+    assert row and "r2 prefill" in row.group(0)
+
+
+def test_settings_of_both_sides_and_what_differs(tmp_path):
+    pa, pb = story.write_pair(tmp_path)
+    html, _ = page(pa, pb)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        env = a.meta["environment"]
+    settings = html[html.index("id=settings"):]
+    for name in ("schedule", "model", "kernel policy", "TP degree", "BLAS", "device", "versions"):
+        assert f"<th>{name}</th>" in settings
+    assert "<tr class='differs'><th>schedule</th><td>serial</td><td>concurrent</td></tr>" in settings
+    for v in env.values():
+        assert str(v) in settings
+
+
+def test_no_kv_hashes_killed_runs_and_identical_pairs_still_render(tmp_path):
+    pa = story.write_run(tmp_path / "serial.h5", "serial", kv_hashes=False)
+    pb = story.write_run(tmp_path / "concurrent.h5", "concurrent", kv_hashes=False)
+    html, _ = page(pa, pb)
+    self_contained(html)
+    assert "recorded without KV hashes" in html and "class='figure margin-plot'" in html
+    killed = story.write_run(tmp_path / "killed.h5", "concurrent", stop_after=6)
+    html, _ = page(story.write_run(tmp_path / "s2.h5", "serial"), killed)
+    assert "is incomplete" in html
+    html, _ = page(pa, pa)
+    assert "identical: 3 of 3 requests" in html and "No root cause" in html and "<mark" not in html
+
+
+def test_a_long_run_gives_a_small_page(tmp_path):
+    """5,000 tokens diverging at 3,000: curves, KV grid and texts are thinned, not the page bloated."""
+    pa = story.write_long(tmp_path / "serial.h5", "serial", 5000)
+    pb = story.write_long(tmp_path / "concurrent.h5", "concurrent", 5000, flip_at=3000)
+    html, _ = page(pa, pb)
+    self_contained(html)
+    assert len(html.encode()) < 400_000, len(html.encode())
+    assert ">(position 3000)</text>" in html and "generated tokens]" in html
