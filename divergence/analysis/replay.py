@@ -114,7 +114,8 @@ def check_replayable(trace) -> None:
     if engine:
         raise ReplayError(f"{trace.path} was recorded by {engine}; replay (and bisect --confirm) re-runs "
                           f"divergence's own engine, so it cannot re-execute this trace (bisect without "
-                          f"--confirm still finds the root cause)")
+                          f"--confirm still finds the root cause; bisect --confirm-cmd CMD confirms it "
+                          f"through that engine)")
 
 
 class Replayer:

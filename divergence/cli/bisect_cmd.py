@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import DivergenceInputError
 from .common import emit_json, open_pair
 
 HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
@@ -12,6 +13,9 @@ def add_arguments(p) -> None:
     p.add_argument("a", metavar="A.h5")
     p.add_argument("b", metavar="B.h5")
     p.add_argument("--confirm", action="store_true", help="replay B with the root-cause step forced to A's kernel")
+    p.add_argument("--confirm-cmd", metavar="CMD", help="confirm through your own engine: a shell command "
+                   "that re-runs B with the cause step changed and writes a trace to {out}; placeholders "
+                   "{trace} {step} {requests} {request} {force} {out} (see docs/recording.md)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the traces were recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
     p.add_argument("--bitwise", action="store_true",
@@ -44,7 +48,15 @@ def build_report(args, a, b):
 
     replayer = bisector = None
     labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
-    if args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
+    confirm_cmd = getattr(args, "confirm_cmd", None)
+    if confirm_cmd:  # the user's engine confirms (traces of other engines)
+        from ..analysis.confirm_cmd import make_command_confirmer
+
+        if args.confirm:
+            raise DivergenceInputError("--confirm replays with divergence's engine, --confirm-cmd with yours: "
+                                       "give one")
+        replayer = make_command_confirmer(a, b, confirm_cmd, *labels)
+    elif args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
         from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
 
         if args.confirm:
@@ -53,5 +65,5 @@ def build_report(args, a, b):
         engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
         replayer = make_confirmer(a, b, engine_replayer, *labels)
         bisector = make_replay_bisector(a, b, engine_replayer, *labels)
-    return bisect_traces(a, b, confirm=args.confirm, replayer=replayer, replay_bisector=bisector,
-                         bitwise=args.bitwise)
+    return bisect_traces(a, b, confirm=args.confirm or bool(confirm_cmd), replayer=replayer,
+                         replay_bisector=bisector, bitwise=args.bitwise)
