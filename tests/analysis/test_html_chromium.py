@@ -49,6 +49,27 @@ def test_demo_page_is_small_and_names_no_web_resource(demo_page):
     assert "root cause: cache contamination" in html and "confirmed by replay" in html
 
 
+def test_bitwise_page_gives_every_logit_drift_its_plots_and_cause(demo_page):
+    """With --bitwise, r2-r4 (same tokens, other logits) are diverged too: each gets its cause,
+    a margin plot with the first numeric difference and no flip, and a KV grid."""
+    from divergence.analysis.bisect import bisect_traces
+    from divergence.analysis.html import render_html
+    from divergence.trace.reader import Trace
+
+    a, b, _ = demo_page
+    with Trace.open(a) as ta, Trace.open(b) as tb:
+        rep = bisect_traces(ta, tb, bitwise=True)
+        html = render_html(rep, ta, tb)
+    drift = [r for r in rep.diff.requests if r.first_divergent_token is None and r.first_numeric_divergence]
+    assert drift and all(r.id in rep.causes for r in drift)
+    assert html.count("class='figure margin-plot'") == len(rep.causes) == html.count("class='figure kv-grid'")
+    cards = {m.group(1): m.group(0) for m in re.finditer(r"id='request-([^']+)'.*?(?=<div class='card|<h2)", html, re.S)}
+    for r in drift:
+        card = cards[r.id]
+        assert f">(position {r.first_numeric_divergence.position})</text>" in card and "<mark" not in card
+        assert f"id='cause-{r.id}'" in html
+
+
 @needs_chromium
 def test_demo_page_renders_in_headless_chromium(demo_page, tmp_path):
     from divergence.analysis.bisect import bisect_traces

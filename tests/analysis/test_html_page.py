@@ -92,3 +92,44 @@ def test_a_long_run_gives_a_small_page(tmp_path):
     self_contained(html)
     assert len(html.encode()) < 400_000, len(html.encode())
     assert ">(position 3000)</text>" in html and "generated tokens]" in html
+
+
+def test_settings_rows_name_tp_and_keys_added_later():
+    from divergence.analysis.html.data import settings_rows
+
+    tp = {"degree": 2, "backend": "ring", "world": ["127.0.0.1", "127.0.0.1"], "launcher": "divergence"}
+    a = {"schedule": "serial", "settings": {"tp": tp, "new_knob": 3}, "environment": {"blas": "OpenBLAS"}}
+    b = {"schedule": "concurrent", "settings": {}, "environment": {"blas": "reference", "gpu_clock": "1.9 GHz"}}
+    rows = {name: (va, vb) for name, va, vb in settings_rows(a, b)}
+    assert rows["TP degree"] == ("2 (ring, ranks on 127.0.0.1)", "1")
+    assert rows["BLAS"] == ("OpenBLAS", "reference")
+    assert rows["new knob"] == ("3", "-") and rows["gpu clock"] == ("-", "1.9 GHz")
+
+
+def test_the_committed_schema_1_demo_pair_renders():
+    """traces/v1 (the demo pair as the first trace schema wrote it): an old file's page has
+    every section too."""
+    from pathlib import Path
+
+    d = Path(__file__).parents[2] / "traces" / "v1"
+    html, text = page(d / "serial.h5", d / "concurrent.h5")
+    self_contained(html)
+    assert "root cause: cache contamination" in html and html.count("<svg") == 3
+    assert "<mark class=flip" in html and "id=steps-b" in html
+
+
+def test_plugin_pages_one_per_compared_pair_and_never_an_error(tmp_path):
+    """checker.write_pages: report.html for one pair, report-<schedule>.html for several; a page
+    that can't be written is a note, not an exception (it must not hide the test's failure)."""
+    from divergence.testing.checker import write_pages
+
+    pa, pb = story.write_pair(tmp_path)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        rep = bisect_traces(a, b)
+    paths = {"serial": str(pa), "concurrent": str(pb)}
+    assert write_pages(rep, paths) == [str(tmp_path / "report.html")]
+    assert write_pages({"concurrent": rep, "warm": rep}, paths) == [
+        str(tmp_path / "report-concurrent.html"), str(tmp_path / "report-warm.html")]
+    (tmp_path / "gone.h5").write_bytes(b"not a trace")
+    notes = write_pages(rep, {"serial": str(pa), "concurrent": str(tmp_path / "gone.h5")})
+    assert len(notes) == 1 and notes[0].startswith("(html report not written: TraceError:")

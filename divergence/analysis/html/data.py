@@ -36,12 +36,15 @@ def _model_text(m: dict | None) -> str:
 
 
 def _tp(meta: dict) -> str:
-    s, e = meta.get("settings") or {}, meta.get("environment") or {}
-    for k in ("tp", "tp_degree", "world_size"):
-        for d in (s, e):
-            if d.get(k) is not None:
-                return str(d[k])
-    return "1"
+    """'2 (ring, ranks on 127.0.0.1)' from settings.tp {degree, backend, world, ...}; '1' for one device."""
+    tp = (meta.get("settings") or {}).get("tp")
+    if isinstance(tp, dict):
+        world = tp.get("world")
+        hosts = (f"ranks on {', '.join(dict.fromkeys(map(str, world)))}" if isinstance(world, list) and world
+                 else (f"world {world}" if world else None))
+        extra = ", ".join(str(x) for x in (tp.get("backend"), hosts) if x)
+        return f"{tp.get('degree', 1)}" + (f" ({extra})" if extra else "")
+    return "1" if tp is None else str(tp)
 
 
 def settings_rows(meta_a: dict, meta_b: dict) -> list[tuple[str, str, str]]:
@@ -72,7 +75,7 @@ def settings_rows(meta_a: dict, meta_b: dict) -> list[tuple[str, str, str]]:
 
     na, nb = named(meta_a), named(meta_b)
     rows = [(k, na[k], nb[k]) for k in na]
-    shown = {"spec_k", "policy", "token_budget", "prefix_caching", "top_k", "tp", "tp_degree", "world_size",
+    shown = {"spec_k", "policy", "token_budget", "prefix_caching", "top_k", "tp",
              "blas", "backend", "device_name", "device", "divergence", "mlx", "mlx_lm", "python", "platform"}
     for group in ("settings", "environment"):
         ga, gb = meta_a.get(group) or {}, meta_b.get(group) or {}

@@ -52,12 +52,15 @@ def margin_plot(s: MarginSeries, label_a: str, label_b: str) -> str:
     with matplotlib.rc_context(RC):
         fig = _figure(7.6, 3.9)
         top, bot = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-        top.step(s.positions_a, s.margin_a, where="mid", color=COLOR_A, lw=1.1, label=f"{label_a} (A)")
-        top.step(s.positions_b, s.margin_b, where="mid", color=COLOR_B, lw=1.1, ls="--", label=f"{label_b} (B)")
+        dots = {"marker": "o", "ms": 3} if len(s.positions_a) < 24 else {}  # a step line of one point is invisible
+        top.step(s.positions_a, s.margin_a, where="mid", color=COLOR_A, lw=1.1, label=f"{label_a} (A)", **dots)
+        top.step(s.positions_b, s.margin_b, where="mid", color=COLOR_B, lw=1.1, ls="--", label=f"{label_b} (B)",
+                 **dots)
         top.set_ylabel("top-1 margin\n(logit)")
         fig.suptitle(f"{s.rid}: how close the top two candidates were, and how far A and B drifted apart",
                      fontsize=10)
-        bot.step(s.delta_positions, s.delta, where="mid", color=COLOR_DELTA, lw=1.1, label="max |Δlogit| A vs B")
+        bot.step(s.delta_positions, s.delta, where="mid", color=COLOR_DELTA, lw=1.1, label="max |Δlogit| A vs B",
+                 **dots)
         bot.set_ylabel("|Δlogit|")
         bot.set_xlabel("sequence position")
         for ax in (top, bot):
@@ -104,8 +107,8 @@ def kv_plot(g: KvGrid, label_a: str, label_b: str) -> str:
         ax.set_xlabel("position")
         ax.set_ylabel("layer")
         ax.set_yticks(range(layers) if layers <= 12 else np.linspace(0, layers - 1, 6).astype(int))
-        ax.set_title(f"{g.rid}: KV cache read by the divergent step ({label_a} step {g.read_at[0]} vs "
-                     f"{label_b} step {g.read_at[1]}), {g.n_differ} of {g.n_cells} cells differ")
+        fig.suptitle(f"{g.rid}: the KV cache the divergent step read ({label_a} step {g.read_at[0]}, "
+                     f"{label_b} step {g.read_at[1]}): {g.n_differ} of {g.n_cells} cells differ", fontsize=10)
         used = sorted(set(np.unique(g.cells).tolist()) - {KV_ABSENT})
         ax.legend(handles=[Patch(color=colors[i], label=names[i]) for i in used], loc="upper left",
                   bbox_to_anchor=(0, -0.35 if layers <= 4 else -0.18), ncols=3, fontsize=8)
