@@ -133,3 +133,23 @@ def test_plugin_pages_one_per_compared_pair_and_never_an_error(tmp_path):
     (tmp_path / "gone.h5").write_bytes(b"not a trace")
     notes = write_pages(rep, {"serial": str(pa), "concurrent": str(tmp_path / "gone.h5")})
     assert len(notes) == 1 and notes[0].startswith("(html report not written: TraceError:")
+
+
+def test_another_engines_imported_traces_render(tmp_path):
+    """Traces `divergence import` made from examples/toy_engine.py (no vocab, its own op and
+    kernel names, no draft, no BLAS): the page still holds the cause, texts and figures."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from divergence.cli.main import main
+
+    example = Path(__file__).parents[2] / "examples" / "toy_engine.py"
+    for s in ("serial", "concurrent"):
+        subprocess.run([sys.executable, str(example), "--out", str(tmp_path / s), "--schedule", s], check=True,
+                       timeout=120)
+        assert main(["import", str(tmp_path / s), "--out", str(tmp_path / f"{s}.h5")]) == 0
+    html, text = page(tmp_path / "serial.h5", tmp_path / "concurrent.h5")
+    self_contained(html)
+    assert "root cause: cache contamination" in html and html.count("<svg") == 3
+    assert "<td class=kv>attn.q</td>" in html  # the engine's own op names

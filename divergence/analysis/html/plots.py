@@ -92,7 +92,7 @@ def kv_plot(g: KvGrid, label_a: str, label_b: str) -> str:
     with matplotlib.rc_context(RC):
         layers = g.cells.shape[0]
         positions = g.positions or g.cells.shape[1]
-        fig = _figure(7.6, 0.9 + 0.22 * min(layers, 24))
+        fig = _figure(7.6, 1.5 + 0.22 * min(layers, 24))
         ax = fig.subplots()
         cmap = ListedColormap([colors[i] for i in range(4)])
         # imshow: one small embedded raster however many cells (a path per cell would not scale)
@@ -110,8 +110,8 @@ def kv_plot(g: KvGrid, label_a: str, label_b: str) -> str:
         fig.suptitle(f"{g.rid}: the KV cache the divergent step read ({label_a} step {g.read_at[0]}, "
                      f"{label_b} step {g.read_at[1]}): {g.n_differ} of {g.n_cells} cells differ", fontsize=10)
         used = sorted(set(np.unique(g.cells).tolist()) - {KV_ABSENT})
-        ax.legend(handles=[Patch(color=colors[i], label=names[i]) for i in used], loc="upper left",
-                  bbox_to_anchor=(0, -0.35 if layers <= 4 else -0.18), ncols=3, fontsize=8)
+        fig.legend(handles=[Patch(color=colors[i], label=names[i]) for i in used], loc="outside lower left",
+                   ncols=3, fontsize=8)
         return to_svg(fig)
 
 
