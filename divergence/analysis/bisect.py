@@ -54,6 +54,7 @@ class RootCause:
     op: str | None = None  # the op whose kernel differs between the two steps
     confirmed: bool | None = None
     confirm_detail: str = ""
+    routing_flip: object = None  # analysis.routing.RoutingFlip on the path to the divergence (MoE models)
 
     @property
     def native_class_changes(self) -> dict[str, tuple[int, int]]:
@@ -72,6 +73,7 @@ class RootCause:
             "native_class_changes": {op: {"rows_a": ra, "rows_b": rb}
                                      for op, (ra, rb) in self.native_class_changes.items()},
             "confirm_detail": self.confirm_detail,
+            "routing_flip": self.routing_flip.to_json() if self.routing_flip is not None else None,
         }
 
 
@@ -237,6 +239,15 @@ def finished_before(trace, ids, until: int) -> dict[str, int]:
     return {rid: fs for rid in ids if (fs := finish_step(trace, rid)) is not None and fs < until}
 
 
+def _routing_flip(a, b, rd: RequestDiff):
+    """The earliest routing flip among the rows the divergent step read (MoE traces)."""
+    from .routing import find_routing_flip
+
+    tok, num = rd.first_divergent_token, rd.first_numeric_divergence
+    site = tok if tok is not None else num
+    return find_routing_flip(a, b, rd.id, position=site.position, step_a=site.step_a, step_b=site.step_b)
+
+
 def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
                   bitwise: bool = False) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
@@ -260,6 +271,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
         else:
             cause = None
         if cause is not None:
+            cause.routing_flip = _routing_flip(a, b, rd)
             causes[rd.id] = cause
     if not hashed:
         mode = (f"replay bisection: the traces have no KV hashes, so steps were bisected by replay "

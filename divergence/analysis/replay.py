@@ -247,14 +247,25 @@ def force_like_a(a, step_a: int, b, step_b: int):
     """How to make B's step compute what A's did. Where the kernel labels differ (the
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
-    the batch itself, so run each request of the step alone (SOLO), as A's did."""
+    the batch itself, so run each request of the step alone (SOLO), as A's did; and so
+    where A's experts ran on several kernels (one per expert's row count)."""
     from ..core.policy import SOLO
     from .bisect import step_kernels
 
     ka = step_kernels(a, step_a)
-    if ka == step_kernels(b, step_b):
+    if ka == step_kernels(b, step_b) or _mixed_experts(a, step_a):
         return SOLO
     return _as_a(ka, _rows_per_op(a, step_a))
+
+
+def _mixed_experts(trace, step: int) -> bool:
+    """Did A's step run its experts on more than one kernel (threshold:N picks per expert
+    from the rows it received)? No single kernel then reproduces it: SOLO does."""
+    from ..core.names import EXPERTS
+
+    ks = trace.kernels(step=step)
+    sel = ks["op"] == EXPERTS
+    return len({(str(k), int(s)) for k, s in zip(ks["kernel"][sel], ks["splits"][sel])}) > 1
 
 
 def _forcing_words(forced: dict, label_a: str) -> str:

@@ -121,6 +121,8 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
     out += native_lines(c)
+    if c.routing_flip is not None:
+        out += c.routing_flip.lines(label_a, label_b)
     for rid, step in sorted(c.finished_before_divergence.items()):
         out.append(f"      {rid} finished at step {step}, before the divergence")
     if confirm_requested:

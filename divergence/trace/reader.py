@@ -155,7 +155,8 @@ class Trace:
         n = min(d.shape[0] for d in cols.values())  # a killed writer may leave a ragged end
         out = {k: d[:n] for k, d in cols.items()}
         for k, (dtype, _) in S.TABLES[name].items():
-            out.setdefault(k, np.zeros(n, dtype))
+            if k not in out:
+                out[k] = np.full(n, S.DEFAULTS.get((name, k), 0), dtype)
         return out
 
     @cached_property
@@ -314,6 +315,46 @@ class Trace:
         hrow_p = hrow[pick]
         return {"layer": layer[pick], "position": position[pick], "step": step[pick],
                 "k_hash": h["k_hash"][hrow_p], "v_hash": h["v_hash"][hrow_p]}
+
+    @property
+    def has_routing(self) -> bool:
+        """Whether the trace holds MoE routing (its model has expert layers)."""
+        return "routing" in self.f and self.f["routing/step"].shape[0] > 0
+
+    @cached_property
+    def _routing(self) -> dict[str, np.ndarray]:
+        if "routing" not in self.f:
+            return {k: np.zeros(0, dt) for k, (dt, _) in S.TABLES["routing"].items()}
+        return self._visible("routing")
+
+    @cached_property
+    def _routing_choices(self) -> dict[str, np.ndarray]:
+        return self._table("routing/choices") if "routing" in self.f else {"expert": np.zeros(0, np.int16),
+                                                                            "score": np.zeros(0, np.float32)}
+
+    def routing(self, request_id: str, *, model: str = "target", at_step: int | None = None) -> dict[str, np.ndarray]:
+        """A request's MoE routing, one row per (layer, position): the record live at
+        `at_step` (the latest with step <= at_step; all steps when None), sorted by
+        (position, layer). Arrays layer, position, step, runner_up, runner_up_score,
+        input_hash [n], experts int [n, k], scores float32 [n, k]."""
+        t = self._routing
+        sel = (t["request"] == self.request_index(request_id)) & (t["model"] == S.MODELS.index(model))
+        if at_step is not None:
+            sel &= t["step"] <= at_step
+        idx = np.flatnonzero(sel)
+        key = t["position"][idx].astype(np.int64) * 65536 + t["layer"][idx]
+        srt = np.lexsort((idx, t["step"][idx], key))  # latest write of a (position, layer) last
+        ks = key[srt]
+        pick = idx[srt[np.flatnonzero(np.r_[ks[1:] != ks[:-1], True])]] if idx.size else idx
+        out = {c: t[c][pick] for c in ("layer", "position", "step", "runner_up", "runner_up_score", "input_hash")}
+        k = int(t["k"][pick].max()) if pick.size else 0
+        if pick.size and not (t["k"][pick] == k).all():
+            raise ValueError("routing rows of one request hold different k")  # one model: one top-k
+        ch = self._routing_choices
+        rows = t["choice_offset"][pick][:, None] + np.arange(k)[None, :]
+        out["experts"] = ch["expert"][rows].astype(np.int32)
+        out["scores"] = ch["score"][rows]
+        return out
 
     def finish_step(self, request_id: str) -> int | None:
         t = self._table("request_events")

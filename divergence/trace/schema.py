@@ -58,6 +58,8 @@ TABLES: dict[str, dict[str, tuple]] = {
         "splits": (np.int16, "split-K partitions (gemm); 1 otherwise"),
         "native_class": (np.uint64, "native kernel class at this row count: probe signature, equal = same "
                                     "class; 0 for the engine's own kernels (added later: readers give 0 where a trace lacks the column)"),
+        "expert": (np.int16, "`experts` op: the expert of the layer these rows went to; -1 for every other op "
+                             "(added later: readers give -1 where a trace lacks the column)"),
     },
     "kv/writes": {
         "step": (np.int64, "step that wrote (for prefix-cache hits: the step that wrote the shared block)"),
@@ -94,6 +96,29 @@ TABLES: dict[str, dict[str, tuple]] = {
         "kind": (np.int8, "code into attrs['kinds']"),
     },
 }
+# Mixture-of-experts routing: one row per (MoE layer, sequence position, step that computed it).
+TABLES["routing"] = {
+    "step": (np.int64, "step whose forward pass routed this row"),
+    "model": (np.int8, "code into attrs['models']"),
+    "request": (np.int32, "index into /requests"),
+    "layer": (np.int16, "transformer layer (MoE layers only)"),
+    "position": (np.int32, "sequence position of the row"),
+    "choice_offset": (np.int64, "row of the first chosen expert in /routing/choices"),
+    "k": (np.int8, "experts chosen (top-k)"),
+    "runner_up": (np.int16, "best expert not chosen (-1 when every expert was)"),
+    "runner_up_score": (np.float32, "its gate value, exact (NaN when none)"),
+    "input_hash": (np.uint64, "xxh3_64 of the router's input row (model dtype, little-endian): equal in two "
+                              "traces = the router saw the same input"),
+}
+TABLES["routing/choices"] = {
+    "expert": (np.int16, "chosen expert, in the order the block used them"),
+    "score": (np.float32, "its gate value as top-k ranked it (qwen3_moe: router probability; mixtral: router "
+                          "logit), exactly (float32 holds the model dtype's value)"),
+}
+# Columns added after traces were written: what readers give where a trace lacks one (else 0).
+DEFAULTS = {("kernels", "expert"): -1}
+OPTIONAL_TABLES = ("routing", "routing/choices")  # traces of dense models (or older ones) lack them
+
 TOPK_IDS = "tokens/topk_ids"  # int32 [n, K], best first
 TOPK_LOGITS = "tokens/topk_logits"  # float32 [n, K], exact values the model produced
 REQUESTS = "requests"  # fixed-size group written at run start

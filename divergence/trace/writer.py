@@ -17,7 +17,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from ..core.events import AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, RunInfo, StepEvent, TokenEvent
+from ..core.events import AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, TokenEvent
 from . import schema as S
 
 FLUSH_SECONDS = 0.5
@@ -67,6 +67,7 @@ class TraceWriter(Observer):
 
     wants_kernels = True
     wants_topk = True
+    wants_routing = True
 
     def __init__(self, path, *, top_k: int = 8, kv_hashes: bool = True, kv_hash: str = S.HASH_NAME,
                  ops=(), kernels=()):
@@ -140,6 +141,7 @@ class TraceWriter(Observer):
         self._token_offset = 0
         self._logit_offset = 0
         self._hash_rows = 0
+        self._choice_rows = 0
         f.swmr_mode = True
         f.flush()
         self._last_flush = time.perf_counter()
@@ -172,7 +174,7 @@ class TraceWriter(Observer):
     def on_kernel(self, c: KernelChoice) -> None:
         self.tables["kernels"].add(step=c.step, model=S.MODELS.index(c.model), layer=c.layer, op=self._op_code[c.op],
                                    rows=c.rows, kernel=self._kernel_code[c.kernel], m=c.m, n=c.n, k=c.k,
-                                   splits=c.splits, native_class=c.native_class)
+                                   splits=c.splits, native_class=c.native_class, expert=c.expert)
 
     def on_allreduce(self, e: AllReduce) -> None:
         self.tables["allreduce"].add(step=e.step, model=S.MODELS.index(e.model), layer=e.layer, op=S.OPS.index(e.op),
@@ -185,6 +187,23 @@ class TraceWriter(Observer):
         h.extend("k_hash", w.k_hashes.tolist())
         h.extend("v_hash", w.v_hashes.tolist())
         self._hash_rows += w.count
+
+    def on_routing(self, r: Routing) -> None:
+        t, ch = self.tables["routing"], self.tables["routing/choices"]
+        k = r.experts.shape[1]
+        t.extend("step", [r.step] * r.count)
+        t.extend("model", [S.MODELS.index(r.model)] * r.count)
+        t.extend("request", [self._rid(r.request_id)] * r.count)
+        t.extend("layer", [r.layer] * r.count)
+        t.extend("position", range(r.start, r.start + r.count))
+        t.extend("choice_offset", range(self._choice_rows, self._choice_rows + k * r.count, k))
+        t.extend("k", [k] * r.count)
+        t.extend("runner_up", r.runner_up.tolist())
+        t.extend("runner_up_score", r.runner_up_score.tolist())
+        t.extend("input_hash", r.input_hash.tolist())
+        ch.extend("expert", r.experts.reshape(-1).tolist())
+        ch.extend("score", r.scores.reshape(-1).tolist())
+        self._choice_rows += k * r.count
 
     def on_token(self, e: TokenEvent) -> None:
         self.tables["tokens"].add(step=e.step, request=self._rid(e.request_id), position=e.position, token=e.token,
