@@ -133,6 +133,10 @@ def check_comparable(a, b) -> None:
         raise TraceMismatchError(
             f"traces are of different models: {ma['model'].get('path')} ({str(wa)[:12]}) vs "
             f"{mb['model'].get('path')} ({str(wb)[:12]})")
+    ha, hb = getattr(a, "kv_hash", None), getattr(b, "kv_hash", None)
+    if a.has_kv_hashes and b.has_kv_hashes and ha != hb:  # another engine may name its own hash
+        raise TraceMismatchError(f"traces hash their KV writes differently ({ha} vs {hb}): every write would "
+                                 f"differ")
     if ma["model"].get("dtype") != mb["model"].get("dtype"):
         raise TraceMismatchError(f"traces ran the model in different dtypes: "
                                  f"{ma['model'].get('dtype')} vs {mb['model'].get('dtype')}")

@@ -246,8 +246,11 @@ def _logits(where: str, v) -> np.ndarray:
     if vals.dtype != np.float32 and vals.dtype.itemsize <= 4:  # float16 / bfloat16 widen exactly
         return f32
     inexact = np.flatnonzero(f32.astype(np.float64) != np.asarray(vals, np.float64))
-    for i in inexact:  # the shortest decimal of a float32 parses to a nearby double: that's fine
-        if float(str(f32[i])) != float(vals[i]):
+    # a float32's shortest decimal (JSON text, Python floats) parses to a nearby double:
+    # that is the float32; a float64 array has no decimal text and must hold float32 values
+    text = not isinstance(v, np.ndarray)
+    for i in inexact:
+        if not text or float(str(f32[i])) != float(vals[i]):
             raise RecordError(f"{where}[{i}]: {float(vals[i])!r} is not a float32 value; give logits as "
                               f"float32 (exact, or their shortest decimal), not float64")
     return f32

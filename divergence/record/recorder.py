@@ -127,7 +127,7 @@ class Recorder:
                 raise RecordError(f"step.slices[{i}]: {len(s['tokens'])} tokens for {s['count']} rows")
             if s["phase"] == "prefill" and s["start"] + s["count"] > len(req["prompt"]):
                 raise RecordError(f"step.slices[{i}]: prefill rows {s['start']}..{s['start'] + s['count'] - 1} "
-                                  f"go past {s['request']!r}'s prompt ({len(req['prompt'])} tokens)")
+                                  f"go past the prompt of {s['request']!r} ({len(req['prompt'])} tokens)")
         taken.sort()
         for (a0, a1, ra), (b0, b1, rb) in zip(taken, taken[1:]):
             if b0 < a1:
