@@ -26,6 +26,7 @@ def page(pa, pb) -> tuple[str, object]:
 
 def self_contained(html: str) -> None:
     assert not URL.search(html), URL.search(html)
+    assert not re.search(r"url\(\s*['\"]?(?!#|data:)", html), "a CSS/SVG url() that is not inline"
     refs = ATTR.findall(html)
     assert all(r.startswith(("data:", "#")) for r in refs), [r for r in refs if not r.startswith(("data:", "#"))]
     assert "<script" not in html.lower() and "<link" not in html.lower() and "@import" not in html
@@ -54,7 +55,8 @@ def test_story_pair_page_holds_every_section(tmp_path):
     assert f"earliest: layer 0, position {s.contaminated_position}" in html
     # the root-cause step is highlighted in B's step table, with the co-batched request shown
     table_b = html[html.index("id=steps-b"):]
-    row = re.search(r"<tr class='cause'><td>%d</td>.*?</tr>" % s.contaminating_step, table_b)
+    row = re.search(r"<tr class='cause'><td>%d <span class=note>root cause of r1</span></td>.*?</tr>"
+                    % s.contaminating_step, table_b)
     assert row and "r2 prefill" in row.group(0)
 
 

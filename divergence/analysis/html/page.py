@@ -268,23 +268,31 @@ def _timeline(j: dict, a, b, la: str, lb: str, colors, diverged: list[dict]) -> 
     cause_a, cause_b = rc.get("step_a"), rc.get("step_b")
     self_id = first["id"] if first else None
     focus = ({self_id} | set(rc.get("co_batched_b") or [])) if first else set()
-    sides = [(la, D.window(a, cause_a, D.TIMELINE_WINDOW, kernels=False), cause_a),
-             (lb, D.window(b, cause_b, D.TIMELINE_WINDOW, kernels=False), cause_b)]
+    # every request's root-cause step, per side: step -> the requests it caused
+    marks: tuple[dict, dict] = ({}, {})
+    for r in diverged:
+        c = r.get("root_cause") or {}
+        for m, key in zip(marks, ("step_a", "step_b")):
+            if c.get(key) is not None:
+                m.setdefault(c[key], []).append(r["id"])
+    sides = [(la, D.window(a, cause_a, D.TIMELINE_WINDOW, kernels=False), marks[0]),
+             (lb, D.window(b, cause_b, D.TIMELINE_WINDOW, kernels=False), marks[1])]
     if any(s[1] for s in sides):
         out.append(f"<div class='figure timeline-plot'>{plots.timeline_plot(sides, colors, focus)}</div>")
     if first:
         co = ", ".join(rc.get("co_batched_b") or []) or "none"
         out.append(f"<p class=note>Root cause of {esc(self_id)}: {esc(lb)} step {esc(cause_b)}, batched with "
                    f"{esc(co)}; outlined: {esc(self_id)}.</p>")
-    for side, label, trace, cause in (("a", la, a, cause_a), ("b", lb, b, cause_b)):
+    for side, label, trace, cause, mark in (("a", la, a, cause_a, marks[0]), ("b", lb, b, cause_b, marks[1])):
         rows = D.window(trace, cause, D.TABLE_WINDOW, kernels=True)
         if not rows:
             continue
         body = []
         for st in rows:
-            cls = "cause" if st.step == cause else ""
+            cls = "cause" if st.step in mark else ""
             title = esc(", ".join(f"{k} {v}" for k, v in st.kernels.items()))
-            body.append(f"<tr class='{cls}'><td>{st.step}</td><td>{st.rows}</td>"
+            of = f" <span class=note>root cause of {esc(', '.join(mark[st.step]))}</span>" if st.step in mark else ""
+            body.append(f"<tr class='{cls}'><td>{st.step}{of}</td><td>{st.rows}</td>"
                         f"<td>{_pills(st.slices, colors, focus, self_id)}</td>"
                         f"<td class=kv title='{title}'>{esc(st.kernel_text)}</td></tr>")
         out.append(f"<h3>{esc(label)}: target steps around step {esc(cause) if cause is not None else '-'}</h3>"

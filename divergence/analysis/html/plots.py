@@ -119,10 +119,10 @@ def request_colors(ids) -> dict[str, str]:
     return {rid: REQUEST_COLORS[i % len(REQUEST_COLORS)] for i, rid in enumerate(ids)}
 
 
-def timeline_plot(sides: list[tuple[str, list[StepRow], int | None]], colors: dict[str, str],
+def timeline_plot(sides: list[tuple[str, list[StepRow], dict]], colors: dict[str, str],
                   focus: set[str]) -> str:
-    """Rows per target step, stacked by request; the root-cause step of each side marked.
-    sides: (label, steps, root-cause step). Requests outside `focus` are drawn faded."""
+    """Rows per target step, stacked by request; the root-cause steps of each side marked.
+    sides: (label, steps, root-cause steps {step: request ids}). Requests outside `focus` are drawn faded."""
     import matplotlib
     from matplotlib.patches import Patch
 
@@ -130,7 +130,7 @@ def timeline_plot(sides: list[tuple[str, list[StepRow], int | None]], colors: di
         fig = _figure(7.6, 1.2 + 1.5 * len(sides))
         axes = fig.subplots(len(sides), 1, squeeze=False)[:, 0]
         seen: list[str] = []
-        for ax, (label, steps, cause) in zip(axes, sides):
+        for ax, (label, steps, causes) in zip(axes, sides):
             x = np.arange(len(steps))
             bottom = np.zeros(len(steps))
             for i, st in enumerate(steps):
@@ -142,12 +142,11 @@ def timeline_plot(sides: list[tuple[str, list[StepRow], int | None]], colors: di
                     ax.bar(i, sl["count"], bottom=bottom[i], width=0.8, color=colors.get(rid, "#999999"),
                            alpha=alpha, lw=0)
                     bottom[i] += sl["count"]
-            if cause is not None:
-                for i, st in enumerate(steps):
-                    if st.step == cause:
-                        ax.axvspan(i - 0.5, i + 0.5, color=CAUSE, alpha=0.12, lw=0)
-                        ax.annotate(f"root cause: step {cause}, {st.rows} rows", (i, bottom[i]), xytext=(4, 2),
-                                    textcoords="offset points", color=CAUSE, fontsize=8)
+            for i, st in enumerate(steps):
+                if st.step in causes:
+                    ax.axvspan(i - 0.5, i + 0.5, color=CAUSE, alpha=0.12, lw=0)
+                    ax.annotate(f"root cause of {', '.join(causes[st.step])}: step {st.step}, {st.rows} rows",
+                                (i, bottom[i]), xytext=(4, 2), textcoords="offset points", color=CAUSE, fontsize=8)
             ax.set_ylabel(f"{label}\nrows")
             ticks = x[:: max(1, len(x) // 12)]
             ax.set_xticks(ticks, [str(steps[i].step) for i in ticks])
