@@ -246,11 +246,13 @@ def _logits(where: str, v) -> np.ndarray:
     if vals.dtype != np.float32 and vals.dtype.itemsize <= 4:  # float16 / bfloat16 widen exactly
         return f32
     inexact = np.flatnonzero(f32.astype(np.float64) != np.asarray(vals, np.float64))
-    # a float32's shortest decimal (JSON text, Python floats) parses to a nearby double:
-    # that is the float32; a float64 array has no decimal text and must hold float32 values
+    # a float32 printed with up to 9 significant digits (its shortest decimal, or %.9g)
+    # parses to a nearby double: that is the float32; more digits mean a float64 value.
+    # A float64 array has no decimal text and must hold float32 values exactly.
     text = not isinstance(v, np.ndarray)
     for i in inexact:
-        if not text or float(str(f32[i])) != float(vals[i]):
+        x, f = float(vals[i]), float(f32[i])
+        if not text or not any(float(f"{f:.{d}g}") == x for d in range(1, 10)):
             raise RecordError(f"{where}[{i}]: {float(vals[i])!r} is not a float32 value; give logits as "
                               f"float32 (exact, or their shortest decimal), not float64")
     return f32

@@ -177,3 +177,27 @@ def test_recording_and_importing_load_neither_mlx_nor_the_engine(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "MODS []" in out.stdout, out.stdout
+
+
+def test_the_doc_lists_every_field_of_the_contract():
+    from pathlib import Path
+
+    from divergence.record.contract import FIELDS
+
+    doc = (Path(__file__).parents[2] / "docs" / "recording.md").read_text()
+    for kind, fields in FIELDS.items():
+        section = doc.split(f"### `{kind}`\n", 1)[1].split("\n### ", 1)[0]
+        for name in fields:
+            assert f"| `{name}` |" in section, (kind, name)
+
+
+def test_float32_decimals_of_up_to_9_digits_are_float32s():
+    from divergence.record.contract import check
+
+    f = np.float32(25.571232)
+    base = {"step": 0, "request": "r1", "position": 5, "token": 1, "topk_ids": [1]}
+    for text in ("25.571232", "25.5712318", "%.17g" % float(f), repr(float(f))):
+        got = check("token", {**base, "topk_logits": [float(text)]})["topk_logits"]
+        assert got.view(np.uint32)[0] == f.view(np.uint32), text
+    with pytest.raises(RecordError, match="not a float32 value"):
+        check("token", {**base, "topk_logits": [25.5712318001]})
