@@ -289,7 +289,7 @@ def write_long(path, schedule: str, n_tokens: int, *, flip_at: int | None = None
         for k, v in (("model", 0), ("layer", np.tile([0, 1], n)), ("op", np.tile([S.OPS.index("k_proj"),
                                                                                S.OPS.index("lm_head")], n)),
                      ("rows", krows), ("kernel", kcode), ("m", krows), ("n", np.tile([64, 512], n)), ("k", 64),
-                     ("splits", np.where(krows <= 4, 1, 2)), ("native_class", 0)):
+                     ("splits", np.where(krows <= 4, 1, 2)), ("native_class", 0), ("expert", -1)):
             t["kernels"].extend(k, np.broadcast_to(v, kern.shape).tolist())
         put("kv/writes", step=steps, model=0, request=0, layer=0, start=start, count=rows, hash_offset=start)
         t["kv/hashes"].extend("k_hash", kv[:, 0].tolist())
