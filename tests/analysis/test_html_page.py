@@ -155,3 +155,26 @@ def test_another_engines_imported_traces_render(tmp_path):
     self_contained(html)
     assert "root cause: cache contamination" in html and html.count("<svg") == 3
     assert "<td class=kv>attn.q</td>" in html  # the engine's own op names
+
+
+def test_root_cause_keys_added_later_are_shown_and_missing_ones_tolerated(tmp_path):
+    """The page renders whatever BisectReport.to_json() offers: an unknown key is listed as is,
+    and a report whose cause JSON lacks the optional keys still renders."""
+    pa, pb = story.write_pair(tmp_path)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        rep = bisect_traces(a, b)
+        full = rep.to_json
+
+        def extra():
+            j = full()
+            rc = j["requests"][0]["root_cause"]
+            rc["first_op_that_differed"] = {"layer": 0, "op": "k_proj"}
+            for k in ("kernels_a", "kernels_b", "composition_a", "composition_b", "confirm_detail"):
+                rc.pop(k)
+            return j
+
+        rep.to_json = extra
+        html = render_html(rep, a, b)
+    self_contained(html)
+    assert "<th class=kv>first_op_that_differed</th>" in html and "&quot;op&quot;: &quot;k_proj&quot;" in html
+    assert "root cause: cache contamination" in html

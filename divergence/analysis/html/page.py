@@ -115,6 +115,7 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
         if rc:
             out.append(_confirm(r, rc, d.label_a, d.label_b))
             out.append(_kernel_table(rc, d.label_a, d.label_b))
+            out.append(_more(rc))
         out.append("</div>")
     if not any_cause:
         out.append("<p class=note>No root cause: " + ("the traces are identical." if j.get("identical") else
@@ -175,6 +176,29 @@ def _confirm(r: dict, rc: dict, la: str, lb: str) -> str:
     if what and confirmed is not None:
         body += f"<div class=note>the replay forced: {esc(what)}</div>"
     return f"<div class=confirm-box>{body}</div>"
+
+
+# root_cause keys the page shows in its own way; any other (added by later analyses) is listed as is
+SHOWN_KEYS = {"kind", "layer", "positions", "op", "step_a", "step_b", "rows_a", "rows_b", "kernel_a", "kernel_b",
+              "co_batched_b", "composition_a", "composition_b", "kernels_a", "kernels_b",
+              "finished_before_divergence", "confirm_detail", "forced"}
+
+
+def _more(rc: dict) -> str:
+    import json
+
+    rows = []
+    for k, v in rc.items():
+        if k in SHOWN_KEYS or v in (None, {}, [], ""):
+            continue
+        text = v if isinstance(v, str) else json.dumps(v, default=str, separators=(", ", ": "))
+        if len(text) > 600:
+            text = text[:600] + " …"
+        rows.append(f"<tr><th class=kv>{esc(k)}</th><td class=kv>{esc(text)}</td></tr>")
+    if not rows:
+        return ""
+    return ("<details class=more><summary>more from the bisect report</summary><table>" + "".join(rows)
+            + "</table></details>")
 
 
 def _kernel_table(rc: dict, la: str, lb: str) -> str:
