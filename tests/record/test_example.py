@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,22 +13,9 @@ import pytest
 from divergence import Trace
 from divergence.cli.main import main
 
-EXAMPLE = Path(__file__).parents[2] / "examples" / "toy_engine.py"
+from .conftest import EXAMPLE, example
+
 PY = shlex.quote(sys.executable)
-
-
-def example(out, *args):
-    subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *args], check=True, timeout=120)
-    return out
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("example")
-    for schedule in ("serial", "concurrent"):
-        example(d / schedule, "--schedule", schedule)
-        assert main(["import", str(d / schedule), "--out", str(d / f"{schedule}.h5")]) == 0
-    return d / "serial.h5", d / "concurrent.h5"
 
 
 def run_json(args, capsys):

@@ -1,0 +1,32 @@
+"""The engine-neutral example's pair of imported traces, made once per session."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "toy_engine.py"
+
+
+def example(out, *args):
+    subprocess.run([sys.executable, str(EXAMPLE), "--out", str(out), *args], check=True, timeout=120)
+    return out
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """(serial.h5, concurrent.h5) imported from examples/toy_engine.py's JSON Lines."""
+    from divergence.cli.main import main
+
+    d = tmp_path_factory.mktemp("example")
+    for schedule in ("serial", "concurrent"):
+        example(d / schedule, "--schedule", schedule)
+        assert main(["import", str(d / schedule), "--out", str(d / f"{schedule}.h5")]) == 0
+    return d / "serial.h5", d / "concurrent.h5"
+
+
+@pytest.fixture(scope="session")
+def anyio_backend():
+    return "asyncio"
