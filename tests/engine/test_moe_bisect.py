@@ -46,6 +46,13 @@ def test_threshold_diverges_and_every_cause_is_confirmed(random_model, tmp_path,
         assert diverged, "threshold:1 should make serial and concurrent differ"
         assert set(report.causes) == set(diverged)
         assert all(c.confirmed for c in report.causes.values()), render_bisect(report)
+        # replay re-executes the MoE trace bit for bit, routing included
+        rep = Replayer().replay_to_file(b, tmp_path / "replay.h5")
+        assert rep.faithful, rep.to_json()
+        with Trace.open(tmp_path / "replay.h5") as c:
+            for r in b.requests:
+                rb, rc = b.routing(r.id), c.routing(r.id)
+                assert np.array_equal(rb["experts"], rc["experts"]) and np.array_equal(rb["input_hash"], rc["input_hash"])
 
 
 @pytest.mark.parametrize("family,kw", [("mixtral", dict(dtype="float32")),

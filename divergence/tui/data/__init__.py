@@ -10,6 +10,7 @@ part; the app runs it in a worker thread.
 - tokens:   one request's tokens of A and B aligned by position; top-k
 - steps:    one trace's step timeline and its kernels
 - kv:       one request's live KV writes, A against B
+- routing:  one position's MoE routing per layer, A against B
 - text:     how tokens, logits and spans are written
 """
 from .kv import KvGrid

@@ -11,6 +11,7 @@ from ...analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ...analysis.report import KIND_TEXT, request_lines
 from ...trace.reader import Trace
 from .kv import KvGrid, kv_grid
+from .routing import PositionRouting, position_routing, request_routing
 from .overview import RequestRow, meta_rows, totals
 from .steps import DIVERGENT_TOKEN_MARK, ROOT_CAUSE_MARK, StepDetail, StepIndex, StepMark
 from .text import show_piece
@@ -29,6 +30,7 @@ class BrowseData:
         self.analysis_error: str | None = None
         self._steps: dict[int, StepIndex] = {}
         self._tokens: dict[str, TokenAlignment] = {}
+        self._routing: dict[str, list | None] = {}
         self._counts: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
@@ -177,6 +179,13 @@ class BrowseData:
 
     def topk(self, request_id: str, row: int) -> TopK:
         return top_k(self.traces, self.tokens(request_id), row, self.label, self.text)
+
+    def routing(self, request_id: str, position: int) -> PositionRouting | None:
+        """MoE routing of one position per layer, both sides (None for dense models)."""
+        if request_id not in self._routing:
+            self._routing[request_id] = request_routing(self.traces, request_id)
+        rows = self._routing[request_id]
+        return None if rows is None else position_routing(rows, request_id, position)
 
     def decoded(self, request_id: str, side: int, lo: int, hi: int) -> str:
         al = self.tokens(request_id)

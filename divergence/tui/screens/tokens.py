@@ -10,6 +10,7 @@ from textual.widgets import Footer, Header, Static
 from .. import styles as S
 from ..data import A, B, TokenAlignment, fmt_delta
 from ..messages import OpenStep, RowHighlighted, RowSelected
+from ..widgets.routing import RoutingPanel
 from ..widgets.topk import TopKPanel
 from ..widgets.virtual_table import Column, VirtualTable
 from .base import BrowseScreen
@@ -43,6 +44,7 @@ class TokenScreen(BrowseScreen):
         yield Static(id="token-text")
         yield VirtualTable(id="tokens")
         yield TopKPanel(id="topk")
+        yield RoutingPanel(id="routing")  # empty unless the model has expert layers
         yield Footer()
 
     def on_mount(self) -> None:
@@ -183,10 +185,14 @@ class TokenScreen(BrowseScreen):
 
     def _show_topk(self, row: int) -> None:
         self._show_text(row)
+        routing = self.query_one("#routing", RoutingPanel)
         if self.al is not None and len(self.al):
             self.query_one("#topk", TopKPanel).show(self.data.topk(self.request_id, row))
+            routing.show(self.data.routing(self.request_id, int(self.al.positions[row])),
+                         [self.data.label(s) for s in self.data.sides])
         else:
             self.query_one("#topk", TopKPanel).show(None)
+            routing.show(None, [])
 
     @on(RowSelected, "#tokens")
     def _selected(self, event: RowSelected) -> None:
