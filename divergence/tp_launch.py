@@ -34,6 +34,22 @@ POLL = 0.05
 RETRIES = 3  # launches on fresh ports when the ranks could not connect
 
 
+def in_launched_group() -> bool:
+    """Started as one rank of a group, by this launcher or by mlx.launch?"""
+    env = os.environ
+    return "MLX_RANK" in env and any(k in env for k in ("MLX_HOSTFILE", "NCCL_HOST_IP", SIZE_ENV))
+
+
+def is_writer() -> bool:
+    """Does this process write traces and print reports (rank 0, or no group)?"""
+    if not in_launched_group():
+        return True
+    try:
+        return int(os.environ["MLX_RANK"]) == 0
+    except ValueError:
+        return True
+
+
 class LaunchFailed(Exception):
     """The ranks could not all connect (e.g. a port was taken): retry elsewhere."""
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..core.labels import kernel_label
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
+from .tp import describe as tp_describe
 
 CACHE_CONTAMINATION = "cache_contamination"
 STEP_COMPUTE = "step_compute"
@@ -55,6 +56,7 @@ class RootCause:
     confirmed: bool | None = None
     confirm_detail: str = ""
     routing_flip: object = None  # analysis.routing.RoutingFlip on the path to the divergence (MoE models)
+    tensor_parallel: dict | None = None  # TP=1 vs TP=N pairs: see analysis.tp.describe
 
     @property
     def native_class_changes(self) -> dict[str, tuple[int, int]]:
@@ -74,6 +76,7 @@ class RootCause:
                                      for op, (ra, rb) in self.native_class_changes.items()},
             "confirm_detail": self.confirm_detail,
             "routing_flip": self.routing_flip.to_json() if self.routing_flip is not None else None,
+            "tensor_parallel": self.tensor_parallel,
         }
 
 
@@ -272,6 +275,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
             cause = None
         if cause is not None:
             cause.routing_flip = _routing_flip(a, b, rd)
+            cause.tensor_parallel = tp_describe(a, b, cause)
             causes[rd.id] = cause
     if not hashed:
         mode = (f"replay bisection: the traces have no KV hashes, so steps were bisected by replay "

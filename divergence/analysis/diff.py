@@ -110,6 +110,7 @@ class DiffReport:
     requests: list[RequestDiff]
     incomplete: list[str] = field(default_factory=list)  # paths of traces that did not complete
     bitwise: bool = False  # logit-only differences count as divergences
+    tp_degrees: tuple = (1, 1)  # tensor-parallel degree of each trace
 
     @property
     def identical(self) -> bool:
@@ -121,7 +122,7 @@ class DiffReport:
 
     def to_json(self) -> dict:
         return {"identical": self.identical, "a": self.path_a, "b": self.path_b, "bitwise": self.bitwise,
-                "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
+                "tp_degrees": list(self.tp_degrees), "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
                 "requests": [r.to_json() for r in self.requests]}
 
 
@@ -256,8 +257,12 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
     return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
-                      bitwise=bitwise)
+                      bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree))
 
 
 def _label(trace) -> str:
-    return str(trace.meta.get("schedule", "?"))
+    tp = f" TP={trace.tp_degree}" if trace.tp_degree > 1 else ""
+    return str(trace.meta.get("schedule", "?")) + tp
+
+
+trace_label = _label

@@ -45,7 +45,7 @@ def parse_force(items) -> dict:
     """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}.
     Checks the syntax, the op names and the kernels; `check_forced` checks them against a trace."""
     from ..core.names import OPS
-    from ..core.policy import SOLO, SOLO_NAME, KernelPolicy
+    from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy
 
     out: dict = {}
     for item in items or ():
@@ -54,7 +54,8 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: expected STEP:KERNEL or STEP:OP=KERNEL, e.g. 7:gemv")
         op, eq, kernel = spec.partition("=")
         if not eq:
-            out[int(step)] = SOLO if spec.strip().lower() == SOLO_NAME else _kernel(item, spec)
+            word = spec.strip().lower()
+            out[int(step)] = SOLO if word == SOLO_NAME else UNSHARDED if word == UNSHARDED_NAME else _kernel(item, spec)
             continue
         if op not in OPS:
             raise PolicyError(f"bad --force {item!r}: unknown op {op!r} (ops: {', '.join(OPS)})")
@@ -63,7 +64,7 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
         if kernel.strip().lower() == SOLO_NAME:
             raise PolicyError(f"bad --force {item!r}: solo applies to a whole step (STEP:solo), not to one op")
-        per_op[op] = _kernel(item, kernel)
+        per_op[op] = UNSHARDED if kernel.strip().lower() == UNSHARDED_NAME else _kernel(item, kernel)
     return out
 
 
@@ -84,6 +85,9 @@ def check_forced(trace, forced: dict) -> None:
     steps = np.asarray(trace.steps["index"])
     have = set(int(x) for x in steps)
     span = f"steps {int(steps.min())}-{int(steps.max())}" if len(steps) else "no steps"
+    from .tp import check_unsharded
+
+    check_unsharded(trace, forced)
     for step, pol in sorted(forced.items()):
         if step not in have:
             raise PolicyError(f"--force {step}:{describe_forced({step: pol})[step]}: {trace.path} has no step "
@@ -149,9 +153,12 @@ class Replayer:
         s = meta["settings"]
         target = self._load(meta["model"], self.model_dir)
         draft = self._load(meta["draft"], self.draft_dir) if meta.get("draft") and s.get("spec_k") else None
+        from ..engine.tp import group_for
+
         return Engine(target, draft, policy=s["policy"], token_budget=s["token_budget"], spec_k=s["spec_k"],
                       top_k=s["top_k"], block_size=s["block_size"], stop_at_eos=s.get("stop_at_eos", True),
-                      prefix_caching=bool(s.get("prefix_caching", False)), observers=list(observers))
+                      prefix_caching=bool(s.get("prefix_caching", False)), observers=list(observers),
+                      tp=group_for(trace))
 
     def run(self, trace, *, forced=None, observers=()):
         """Replay in memory; returns the engine's RunResult."""
@@ -223,6 +230,10 @@ def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> Repla
     forced = parse_force(force)
     with Trace.open(path) as trace:
         check_forced(trace, forced)
+        if out is not None and trace.tp_degree > 1:
+            from ..tp_launch import is_writer
+
+            out = out if is_writer() else None  # tensor parallel: rank 0 alone writes where asked
         if out is None:
             tmp = tempfile.mkdtemp(prefix="divergence-replay-")
             out = Path(tmp) / (Path(path).stem + ".replay.h5")

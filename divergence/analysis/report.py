@@ -101,6 +101,25 @@ def native_lines(c: RootCause) -> list[str]:
     return [f"      native kernel class changed: {'; '.join(parts)}"]
 
 
+def tp_lines(c: RootCause) -> list[str]:
+    """A TP=1 vs TP=N cause: the sharded ops, their shard shapes and the step's all-reduces."""
+    t = c.tensor_parallel
+    if not t:
+        return []
+    da, db = t["degrees"]
+    ar = t.get("all_reduce") or {}
+    side = "B" if db > 1 else "A"
+    red = (f"{ar['count']} all-reduces in {side}'s step ({ar['backend']}, {ar['ranks']} ranks, "
+           f"{ar['bytes']} bytes per rank)") if ar else "all-reduces"
+    shapes = [f"{op} {sb[0]}x{sb[1]} vs {sa[0]}x{sa[1]}" for op, sb in t["shapes_b"].items()
+              if (sa := t["shapes_a"].get(op)) and sa != sb]
+    lines = [f"      tensor parallel: TP={da} vs TP={db}: {', '.join(t['sharded_to_all'])} sum partial products "
+             f"over their split inputs, added by {red}"]
+    if shapes:
+        lines.append(f"      sharded shapes (B vs A, NxK): {'; '.join(shapes[:7])}")
+    return lines
+
+
 def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool) -> list[str]:
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
@@ -123,6 +142,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     out += native_lines(c)
     if c.routing_flip is not None:
         out += c.routing_flip.lines(label_a, label_b)
+    out += tp_lines(c)
     for rid, step in sorted(c.finished_before_divergence.items()):
         out.append(f"      {rid} finished at step {step}, before the divergence")
     if confirm_requested:
@@ -135,8 +155,16 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     return out
 
 
+def _tp_note(d: DiffReport) -> list[str]:
+    da, db = d.tp_degrees
+    if da == db:
+        return []
+    return [f"note: tensor-parallel degrees differ: A TP={da}, B TP={db} (sharded ops see "
+            f"1/{max(da, db)} of their features; o_proj / down_proj partial sums are added by an all-reduce)"]
+
+
 def render_diff(d: DiffReport, vocab=None) -> str:
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"]
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d)
     for p in d.incomplete:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
@@ -147,7 +175,7 @@ def render_diff(d: DiffReport, vocab=None) -> str:
 
 def render_bisect(b: BisectReport, vocab=None) -> str:
     d = b.diff
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"]
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d)
     if b.mode != "kv-hashes":
         lines.append(f"note: bisect mode: {b.mode}")
     for p in d.incomplete:

@@ -47,7 +47,9 @@ def build_report(args, a, b):
     from ..analysis.bisect import bisect_traces
 
     replayer = bisector = None
-    labels = (a.meta.get("schedule", "A"), b.meta.get("schedule", "B"))
+    from ..analysis.diff import trace_label
+
+    labels = (trace_label(a), trace_label(b))
     confirm_cmd = getattr(args, "confirm_cmd", None)
     if confirm_cmd:  # the user's engine confirms (traces of other engines)
         from ..analysis.confirm_cmd import make_command_confirmer
@@ -64,6 +66,10 @@ def build_report(args, a, b):
             check_replayable(b)
         engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
         replayer = make_confirmer(a, b, engine_replayer, *labels)
+        if a.tp_degree != b.tp_degree:  # TP=1 vs TP=N: proven by replaying the TP side unsharded
+            from ..analysis.tp import make_tp_confirmer
+
+            replayer = make_tp_confirmer(a, b, engine_replayer, *labels)
         bisector = make_replay_bisector(a, b, engine_replayer, *labels)
     return bisect_traces(a, b, confirm=args.confirm or bool(confirm_cmd), replayer=replayer,
                          replay_bisector=bisector, bitwise=args.bitwise)

@@ -17,27 +17,7 @@ import traceback
 from pathlib import Path
 
 from ..errors import TensorParallelError
-
-RANK_ENV = "MLX_RANK"
-
-
-def in_launched_group() -> bool:
-    """Started as one rank of a group, by divergence's launcher or by mlx.launch?"""
-    env = os.environ
-    return RANK_ENV in env and any(k in env for k in ("MLX_HOSTFILE", "NCCL_HOST_IP", "DIVERGENCE_TP_SIZE"))
-
-
-def _rank() -> int:
-    try:
-        return int(os.environ.get(RANK_ENV, "0"))
-    except ValueError:
-        return 0
-
-
-def is_writer() -> bool:
-    """Does this process write traces and print reports (rank 0, or no group)?"""
-    return not in_launched_group() or _rank() == 0
-
+from ..tp_launch import in_launched_group, is_writer  # noqa: F401  (is_writer: used by run_cmd)
 
 def tp_degree(args) -> int:
     """Ranks the command needs: --tp where it has one (in a launched group without

@@ -39,6 +39,10 @@ KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT)
 # How tensor parallelism would shard a linear op (mlx-lm's shard_linear modes); None = replicated.
 ALL_TO_SHARDED = "all-to-sharded"
 SHARDED_TO_ALL = "sharded-to-all"
+# The tensor-parallel mode of each linear op of a dense decoder layer, as mlx-lm shards them.
+TP_SHARDING = {"q_proj": ALL_TO_SHARDED, "k_proj": ALL_TO_SHARDED, "v_proj": ALL_TO_SHARDED,
+               "o_proj": SHARDED_TO_ALL, "gate_proj": ALL_TO_SHARDED, "up_proj": ALL_TO_SHARDED,
+               "down_proj": SHARDED_TO_ALL}
 
 # Schedules: serial (one request at a time), concurrent (continuous batching), and
 # warm (serial on a prefix cache pre-filled by a batched warm-up of the same prompts).

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from . import kernels
 from ..core.events import KernelChoice
-from ..core.names import SHARDED_TO_ALL
+from ..core.names import LINEAR_OPS, SHARDED_TO_ALL
 from .kernels import LinearOp
 from .native_classes import NativeClassProbe
 from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
@@ -35,7 +35,7 @@ class KernelDispatcher:
         # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
         self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
         self._step = -1
-        self._unsharded = False
+        self._unsharded: frozenset = frozenset()
         # class signatures of native ops, for the trace; the forward's own probe when given,
         # so signatures are measured once per model, not once per run
         self.classes = classes or NativeClassProbe()
@@ -46,8 +46,14 @@ class KernelDispatcher:
     def begin_step(self, step: int) -> None:
         self._step = step
         forced = self.forced.get(step, self.policy)
+        # STEP:unsharded (every sharded op) or STEP:OP=unsharded: those ops on the full weights
+        self._unsharded = frozenset()
+        if isinstance(forced, UnshardedStep):
+            self._unsharded = frozenset(LINEAR_OPS)
+        elif isinstance(forced, dict) and any(isinstance(p, UnshardedStep) for p in forced.values()):
+            self._unsharded = frozenset(o for o, p in forced.items() if isinstance(p, UnshardedStep))
+            forced = {o: p for o, p in forced.items() if not isinstance(p, UnshardedStep)}
         self._step_policy = self.policy if isinstance(forced, (SoloStep, UnshardedStep)) else forced
-        self._unsharded = isinstance(forced, UnshardedStep) and self.unsharded is not None
 
     @property
     def step(self) -> int:
@@ -63,7 +69,7 @@ class KernelDispatcher:
         return sp.get(op_name, self.policy) if isinstance(sp, dict) else sp
 
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
-        if self._unsharded and op.shard is not None:
+        if op.name in self._unsharded and op.shard is not None and self.unsharded is not None:
             return self.unsharded(x, op, layer)  # runs the full op through run_kernel
         return self.run_kernel(x, op, layer)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.names import ALL_TO_SHARDED, SHARDED_TO_ALL
+from ..core.names import TP_SHARDING
 
 
 GEMM_TILE = 64  # output tile edge used by the split-K heuristic
@@ -57,10 +57,7 @@ class LinearOp:
                    shard=shard if shard is not None else SHARD_OF.get(name))
 
 
-# The tensor-parallel mode of each linear op of a dense decoder layer, as mlx-lm shards them.
-SHARD_OF = {"q_proj": ALL_TO_SHARDED, "k_proj": ALL_TO_SHARDED, "v_proj": ALL_TO_SHARDED,
-            "o_proj": SHARDED_TO_ALL, "gate_proj": ALL_TO_SHARDED, "up_proj": ALL_TO_SHARDED,
-            "down_proj": SHARDED_TO_ALL}
+SHARD_OF = TP_SHARDING  # the tensor-parallel mode of each op, as mlx-lm shards them
 
 
 def _input_features(module: nn.Module) -> int:

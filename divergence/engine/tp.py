@@ -98,12 +98,6 @@ def current() -> TensorParallel | None:
     return _CURRENT
 
 
-def in_launched_group() -> bool:
-    """Was this process started as one rank of a group (by divergence or mlx.launch)?"""
-    return RANK_ENV in os.environ and (HOSTFILE_ENV in os.environ or NCCL_ENV in os.environ
-                                       or SIZE_ENV in os.environ)
-
-
 def init_from_env(expected: int | None = None) -> TensorParallel:
     """Join the group this process was launched into (ring: MLX_HOSTFILE; NCCL:
     NCCL_HOST_IP / NCCL_PORT / MLX_WORLD_SIZE, as mlx.launch sets them)."""
@@ -121,6 +115,22 @@ def init_from_env(expected: int | None = None) -> TensorParallel:
     if d:  # tell the launcher this rank is connected (it retries on other ports otherwise)
         open(os.path.join(d, f"ready.{group.rank()}"), "w").close()
     return _CURRENT
+
+
+def group_for(trace):
+    """The group a replay of `trace` runs in: None for a one-device trace; this process's
+    group when its size is the trace's degree (the CLI starts the ranks for that)."""
+    from ..errors import ReplayError
+
+    n = trace.tp_degree
+    if n <= 1:
+        return None
+    t = current()
+    if t is None or t.size != n:
+        where = "this process is in no group" if t is None else f"this process's group has {t.size} ranks"
+        raise ReplayError(f"{trace.path} was recorded at TP={n} and {where}: replay it through the divergence CLI "
+                          f"(replay / bisect --confirm start {n} ranks) or under mlx.launch -n {n}")
+    return t
 
 
 def _world(backend: str, size: int) -> list:

@@ -1,0 +1,124 @@
+"""Tensor parallelism in the analysis: which traces ran sharded, what a TP=1 vs TP=N
+cause is (the sharded ops and their all-reduces), and its proof by replay: the TP
+side re-run with its sharded-to-all ops unsharded (one device's sum, no all-reduce),
+then, if that is not enough, every sharded op unsharded. Numpy only; replays go
+through analysis.replay (the one door to the engine)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.names import SHARDED_TO_ALL, TP_SHARDING
+from ..core.policy import UNSHARDED, UnshardedStep
+from ..errors import PolicyError
+
+SHARDED_TO_ALL_OPS = tuple(op for op, mode in TP_SHARDING.items() if mode == SHARDED_TO_ALL)
+
+
+def degree(trace) -> int:
+    return trace.tp_degree
+
+
+def degrees(a, b) -> tuple[int, int]:
+    return degree(a), degree(b)
+
+
+def check_unsharded(trace, forced: dict) -> None:
+    """STEP:unsharded on a trace of one device would silently do nothing: refuse it."""
+    uses = any(isinstance(p, UnshardedStep) or (isinstance(p, dict) and any(isinstance(x, UnshardedStep)
+               for x in p.values())) for p in forced.values())
+    if uses and degree(trace) <= 1:
+        raise PolicyError(f"--force ...:unsharded: {trace.path} was recorded on one device (TP=1): nothing is sharded")
+    for step, p in forced.items():
+        if isinstance(p, dict):
+            bad = [op for op, x in p.items() if isinstance(x, UnshardedStep) and op not in TP_SHARDING]
+            if bad:
+                raise PolicyError(f"--force {step}:{bad[0]}=unsharded: {bad[0]} is not sharded "
+                                  f"(sharded ops: {', '.join(TP_SHARDING)})")
+
+
+def allreduce_summary(trace, step: int) -> dict:
+    """The all-reduces of one step: count, ops, bytes per rank, backend, ranks."""
+    t = trace.allreduces(step=step)
+    if not len(t["step"]):
+        return {}
+    return {"count": int(len(t["step"])), "ops": sorted(set(str(o) for o in t["op"])),
+            "bytes": int(np.sum(t["bytes"])), "backend": str(t["backend"][0]), "ranks": int(t["ranks"][0])}
+
+
+def shard_shapes(trace, step: int) -> dict:
+    """op -> [n, k] of the first layer where it ran in that step (the shard's shape under TP)."""
+    ks = trace.kernels(step=step)
+    out: dict = {}
+    for op, n, k in zip(ks["op"], ks["n"], ks["k"]):
+        if str(op) in TP_SHARDING:
+            out.setdefault(str(op), [int(n), int(k)])
+    return out
+
+
+def describe(a, b, cause) -> dict | None:
+    """What tensor parallelism did at the cause step, for a pair whose degrees differ:
+    the degrees, the sharded-to-all ops whose partial sums an all-reduce adds, the
+    all-reduces of the TP side's step and the ops' shard shapes on both sides."""
+    da, db = degrees(a, b)
+    if da == db:
+        return None
+    tp_side, step = (b, cause.b.step) if db > 1 else (a, cause.a.step)
+    return {"degrees": [da, db], "sharded_to_all": list(SHARDED_TO_ALL_OPS),
+            "all_reduce": allreduce_summary(tp_side, step),
+            "shapes_a": shard_shapes(a, cause.a.step), "shapes_b": shard_shapes(b, cause.b.step)}
+
+
+def header_note(a, b) -> str | None:
+    da, db = degrees(a, b)
+    if da == db:
+        return None
+    return (f"tensor-parallel degrees differ: A TP={da}, B TP={db} (sharded ops see 1/{max(da, db)} of their "
+            f"features; o_proj / down_proj partial sums are added by an all-reduce)")
+
+
+def make_tp_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
+    """confirm(cause, request_diff) -> (confirmed, detail) for a pair of different TP
+    degrees: replay the TP side with every step's sharded-to-all ops unsharded (then
+    every sharded op) and compare with the other side, bit for bit. Replays are shared
+    by all requests (at most two per bisect)."""
+    tp_side, ref, tp_label, ref_label = (b, a, label_b, label_a) if degree(b) > 1 else (a, b, label_a, label_b)
+    steps = [int(s) for s in tp_side.steps["index"]]
+    s2a = ", ".join(SHARDED_TO_ALL_OPS)
+    forcings = [
+        (f"its sharded-to-all ops ({s2a}) unsharded at every step (one device's sum, no all-reduce)",
+         {s: {op: UNSHARDED for op in SHARDED_TO_ALL_OPS} for s in steps}),
+        ("every sharded op unsharded at every step", {s: UNSHARDED for s in steps}),
+    ]
+    cache: dict[int, object] = {}
+
+    def outputs(i: int):
+        if i not in cache:
+            cache[i] = replayer.run(tp_side, forced=forcings[i][1]).outputs
+        return cache[i]
+
+    def matches(out, rid: str, n: int) -> tuple[bool, bool]:
+        got = out[rid]
+        tr = ref.tokens(rid)
+        same = [int(t) for t in got.tokens[:n]] == [int(t) for t in tr.tokens[:n]]
+        la = np.asarray(tr.topk_logits[:n], np.float32).view(np.uint32)
+        lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1] if la.ndim == 2 else 1)
+        bitwise = same and la.shape == lb.shape and bool((la == lb.view(np.uint32)).all())
+        return same, bitwise
+
+    def confirm(cause, rd):
+        tok = rd.first_divergent_token
+        n = (tok.generated_index + 1) if tok is not None else rd.compared
+        tried = []
+        for i, (words, _) in enumerate(forcings):
+            same, bitwise = matches(outputs(i), rd.id, n)
+            if bitwise or (same and tok is not None):
+                exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
+                first = (f"; unsharding only {s2a} was not enough: the all-to-sharded shards' kernels "
+                         f"change the bits too") if tried else ""
+                return True, (f"replaying {tp_label} with {words} makes {rd.id} match {ref_label}"
+                              f"{' up to the divergence' if tok else ''}{exact}{first}")
+            tried.append(i)
+        return False, (f"replaying {tp_label} with every sharded op unsharded still leaves {rd.id} different "
+                       f"from {ref_label}: something besides the sharding differs")
+
+    return confirm
