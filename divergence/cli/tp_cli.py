@@ -33,7 +33,9 @@ def tp_degree(args) -> int:
         return n
     if cmd == "replay":
         return _trace_degree(args.trace)[0]
-    if cmd == "bisect":
+    if cmd in ("bisect", "report"):
+        if getattr(args, "confirm_cmd", None):
+            return 1  # the user's own engine confirms: nothing of ours replays
         (da, kva), (db, kvb) = _trace_degree(args.a), _trace_degree(args.b)
         replays = args.confirm or not (kva and kvb)  # bisect without KV hashes replays too
         return max(da, db) if replays else 1
@@ -112,6 +114,10 @@ def _as_rank(args, n: int) -> int:
     t.keep_full = args.command in ("replay", "bisect")  # their replays may force STEP:unsharded
     if not t.writes:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone reports
+        if getattr(args, "html", None):  # and writes pages: the others' go to their own temp dir
+            import tempfile
+
+            args.html = os.path.join(tempfile.mkdtemp(prefix="divergence-tp-rank-"), "report.html")
     started = time.time()
     try:
         return int(args._run(args) or 0)
