@@ -3,9 +3,10 @@
 A thin adapter, no copy of mlx-lm's code: `BatchGenerator` runs unchanged on a
 proxy of the model. The proxy sees every forward pass (which batch, which rows,
 from the caller's `uids`) and, through a wrapper around the KV caches'
-`update_and_fetch`, every K/V row written; it turns them into the same events the
-engine emits (step plans, KV writes with per-position hashes, tokens with top-k),
-so `TraceWriter`, `diff`, `bisect` and `browse` work on the result. Two schedules:
+`update_and_fetch`, every K/V row written; it records them through `divergence.record`, the
+recording contract any engine follows (step compositions, KV writes with
+per-position hashes, tokens with top-k), so `diff`, `bisect` and `browse` work on
+the result. Two schedules:
 `serial` feeds one request at a time, `concurrent` inserts all at once.
 
 What differs from the engine's traces: the top-k values are mlx-lm's log-probs
@@ -26,13 +27,14 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator, GenerationBatch
 from mlx_lm.models import cache as mlx_cache
 
-from .core.events import DECODE, PREFILL, TARGET, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
+from .core.events import DECODE, PREFILL, TARGET, SeqSlice, StepPlan
 from .core.names import BASE_SCHEDULES as SCHEDULES  # BatchGenerator has no warm schedule
 from .core.request import Request
 from .engine import sampling as smp
 from .engine.environment import environment
 from .engine.model import LoadedModel
 from .engine.model_state import kv_writes
+from .record import Recorder
 
 ENGINE_NAME = "mlx-lm BatchGenerator"
 
@@ -40,11 +42,11 @@ ENGINE_NAME = "mlx-lm BatchGenerator"
 class _Tap:
     """Stands in for the model inside BatchGenerator and reports what each call did."""
 
-    def __init__(self, model, prompts: dict[int, tuple[int, ...]], rid: dict[int, str], emit):
+    def __init__(self, model, prompts: dict[int, tuple[int, ...]], rid: dict[int, str], rec: Recorder):
         self._model = model
         self._prompts = prompts  # uid -> prompt tokens
         self._rid = rid  # uid -> request id
-        self._emit = emit
+        self._rec = rec
         self.step = 0
         self.done: dict[int, int] = {}  # uid -> positions in its cache
         self.computed_at: dict[tuple[int, int], int] = {}  # (uid, position) -> step that computed it
@@ -86,14 +88,16 @@ class _Tap:
             for p in range(s, s + c):
                 self.computed_at[(uid, p)] = self.step
         plan = StepPlan(self.step, TARGET, tuple(slices))
+        if slices:
+            self._rec.step(plan.slices, index=self.step, duration=duration)
         if slices and written:
             # [layers, B, heads, L, dim] -> the real rows of each slice, [layers, T, heads, dim]
             rows = [(b, c) for b, c in enumerate(counts) if c]
             k = mx.stack([mx.concatenate([kk[b, :, :c].transpose(1, 0, 2) for b, c in rows]) for kk, _ in written])
             v = mx.stack([mx.concatenate([vv[b, :, :c].transpose(1, 0, 2) for b, c in rows]) for _, vv in written])
             for w in kv_writes(plan, TARGET, k, v):
-                self._emit("on_kv_write", w)
-        self._emit("on_step", StepEvent(plan, duration))
+                self._rec.kv_write(w.request_id, layer=w.layer, start=w.start, k_hashes=w.k_hashes,
+                                   v_hashes=w.v_hashes, step=w.step)
         self.step += 1
         return out
 
@@ -121,23 +125,19 @@ def _kv_taps(tap: _Tap):
 
 def run_batch_generator(loaded: LoadedModel, requests: list[Request], schedule: str, observers=(), *,
                         top_k: int = 8, prefill_step_size: int = 2048) -> dict[str, list[int]]:
-    """Run mlx-lm's BatchGenerator (greedy) over `requests` under `schedule`, sending the
-    engine's events to `observers` (e.g. a TraceWriter). Returns request id -> tokens."""
+    """Run mlx-lm's BatchGenerator (greedy) over `requests` under `schedule`, recording it
+    through divergence.record (as any other engine would) and sending the events to
+    `observers` (e.g. a TraceWriter) at the end. Returns request id -> tokens."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (expected {', '.join(SCHEDULES)})")
-
-    def emit(method, *args):
-        for ob in observers:
-            getattr(ob, method)(*args)
-
-    settings = {"engine": ENGINE_NAME, "policy": "native", "token_budget": prefill_step_size, "spec_k": 0,
-                "top_k": top_k, "block_size": 0, "prefix_caching": False, "stop_at_eos": False,
-                "dtype": loaded.dtype, "topk_values": "logprobs"}
+    settings = {"token_budget": prefill_step_size, "spec_k": 0, "block_size": 0, "prefix_caching": False,
+                "stop_at_eos": False, "dtype": loaded.dtype, "topk_values": "logprobs"}
     vocab = [loaded.decode([i]) for i in range(_vocab_size(loaded))]
-    emit("on_run_start", RunInfo(schedule, "native", settings, requests, loaded.describe(), None, environment(),
-                                 vocab))
+    rec = Recorder(engine=ENGINE_NAME, schedule=schedule, requests=requests, top_k=top_k, policy="native",
+                   model=loaded.describe(), settings=settings, environment=environment(), vocab=vocab,
+                   observers=observers)
     prompts, rid = {}, {}
-    tap = _Tap(loaded.model, prompts, rid, emit)
+    tap = _Tap(loaded.model, prompts, rid, rec)
     gen = BatchGenerator(tap, max_tokens=max(r.max_tokens for r in requests),
                          completion_batch_size=max(32, len(requests)), prefill_batch_size=max(8, len(requests)),
                          prefill_step_size=prefill_step_size)
@@ -150,7 +150,6 @@ def run_batch_generator(loaded: LoadedModel, requests: list[Request], schedule: 
                 uids = gen.insert([list(r.prompt_tokens) for r in group], [r.max_tokens for r in group])
                 for uid, r in zip(uids, group):
                     prompts[uid], rid[uid] = tuple(r.prompt_tokens), r.id
-                    emit("on_request", RequestEvent(tap.step, r.id, "arrived"))
                 while responses := gen.next_generated():
                     for resp in responses:
                         r_id = rid[resp.uid]
@@ -158,13 +157,14 @@ def run_batch_generator(loaded: LoadedModel, requests: list[Request], schedule: 
                         ids, vals = smp.topk(np.array(resp.logprobs.astype(mx.float32))[None], top_k)
                         step = tap.computed_at[(resp.uid, pos - 1)]
                         out[r_id].append(int(resp.token))
-                        emit("on_token", TokenEvent(step, r_id, pos, int(resp.token), 0, ids[0], vals[0]))
+                        rec.token(r_id, position=pos, token=int(resp.token), topk_ids=ids[0],
+                                  topk_logits=vals[0], step=step)
                         if resp.finish_reason is not None:
-                            emit("on_request", RequestEvent(step, r_id, "finished", resp.finish_reason))
+                            rec.finish(r_id, reason=resp.finish_reason, step=step)
         completed = True
     finally:
         gen.close()
-        emit("on_run_end", completed)
+        rec.close(completed=completed)
     return out
 
 

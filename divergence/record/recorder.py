@@ -34,13 +34,18 @@ from .contract import CONTRACT_VERSION, check
 class Recorder:
     """Collects one run's records; `close()` (or the end of a `with` block) writes the trace."""
 
-    def __init__(self, path, *, engine: str, schedule: str, requests=(), kv_hash: str | None = HASH_NAME,
+    def __init__(self, path=None, *, engine: str, schedule: str, requests=(), kv_hash: str | None = HASH_NAME,
                  top_k: int | None = None, policy: str = "native", model: dict | None = None,
-                 settings: dict | None = None, environment: dict | None = None, vocab=None):
+                 settings: dict | None = None, environment: dict | None = None, vocab=None, observers=None):
         """kv_hash: the name of the 64-bit hash your kv_write hashes are (hash_kv gives xxh3_64).
         requests: dicts with the `request` record's fields, or divergence Requests; more can
-        be added with `request()` before they are used."""
-        self.path = Path(path)
+        be added with `request()` before they are used.
+        observers: instead of a path, send the checked records as engine events to these
+        (divergence.core.events.Observer, e.g. a TraceWriter you made) at close."""
+        if (path is None) == (observers is None):
+            raise RecordError("Recorder: give a trace path or observers, not both")
+        self.path = Path(path) if path is not None else None
+        self.observers = list(observers) if observers is not None else None
         self.run = check("run", {"engine": engine, "schedule": schedule, "kv_hash": kv_hash, "top_k": top_k,
                                  "policy": policy, "model": model, "settings": settings,
                                  "environment": environment, "vocab": vocab})
@@ -187,7 +192,7 @@ class Recorder:
         self.close(completed=exc_type is None)
         return False
 
-    def close(self, *, completed: bool = True) -> Path:
+    def close(self, *, completed: bool = True) -> Path | None:
         """Write the trace (to PATH.partial, renamed to PATH once whole). Returns the path."""
         if self._closed:
             return self.path
@@ -202,6 +207,12 @@ class Recorder:
                 if len(t["topk_ids"]) > top_k:
                     raise RecordError(f"token: {len(t['topk_ids'])} top-k entries but the run's top_k is {top_k}")
         info = self._run_info(top_k)
+        if self.observers is not None:
+            fan = _Fanout(self.observers)
+            fan.on_run_start(info)
+            self._emit(fan)
+            fan.on_run_end(completed)
+            return None
         from ..trace.writer import TraceWriter  # h5py only when writing
 
         ops = [k["op"] for g in self._records.values() for k in g["kernel"]]
@@ -278,6 +289,16 @@ class Recorder:
             logit_rows = tuple(sorted(p - s["start"] for p in rows_of[rid] if s["start"] <= p < s["start"] + s["count"]))
             slices.append(SeqSlice(rid, s["phase"], s["start"], s["count"], s["row_offset"], toks, logit_rows))
         return StepPlan(st["index"], st["model"], tuple(slices))
+
+
+class _Fanout:
+    """One observer that forwards every event to several."""
+
+    def __init__(self, observers):
+        self._observers = observers
+
+    def __getattr__(self, method):
+        return lambda *args: [getattr(ob, method)(*args) for ob in self._observers]
 
 
 def _request_fields(r) -> dict:
