@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -77,20 +78,22 @@ def _die_with_parent() -> None:  # runs in the child before exec (Linux): no orp
         pass
 
 
-def launch(command: list[str], n: int, *, label: str = "divergence", env: dict | None = None) -> int:
+def launch(command: list[str], n: int, *, label: str = "divergence", env: dict | None = None,
+           kept=None) -> int:
     """Run `command` (argv, e.g. [python, -m, divergence, run, ...]) as n ranks; returns
-    rank 0's exit code, or 1 with one line on stderr when a rank failed."""
+    rank 0's exit code, or 1 with one line on stderr when a rank failed. kept(): words
+    for what the failed run left (e.g. its partial traces), added to that line."""
     last = ""
     for _ in range(RETRIES):
         try:
-            return _launch_once(command, n, label, env)
+            return _launch_once(command, n, label, env, kept)
         except LaunchFailed as e:
             last = str(e)
     print(f"{label}: error: could not connect {n} tensor-parallel ranks over 127.0.0.1: {last}", file=sys.stderr)
     return 1
 
 
-def _launch_once(command, n, label, extra_env) -> int:
+def _launch_once(command, n, label, extra_env, kept) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="divergence-tp-"))
     hostfile = tmp / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
@@ -108,7 +111,7 @@ def _launch_once(command, n, label, extra_env) -> int:
     fwd = threading.Thread(target=_forward_stderr, args=(procs[0].stderr, tail), daemon=True)
     fwd.start()
     try:
-        code = _watch(procs, tmp, n, label, tail)
+        code = _watch(procs, tmp, n, label, tail, kept)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -117,6 +120,7 @@ def _launch_once(command, n, label, extra_env) -> int:
         fwd.join(timeout=2)
         for f in logs:
             f.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return code
 
 
@@ -138,7 +142,7 @@ def _quiet(line: str) -> bool:
     return line.startswith("divergence-tp:")  # rank 0's failure report: the launcher words it
 
 
-def _watch(procs, tmp: Path, n: int, label: str, tail: list) -> int:
+def _watch(procs, tmp: Path, n: int, label: str, tail: list, kept) -> int:
     started = time.monotonic()
     ready = False
     failed_at = None
@@ -150,13 +154,12 @@ def _watch(procs, tmp: Path, n: int, label: str, tail: list) -> int:
             ready = all((tmp / f"ready.{r}").exists() for r in range(n))
             if not ready and time.monotonic() - started > READY_TIMEOUT:
                 raise LaunchFailed(f"not all ranks connected within {READY_TIMEOUT:.0f} s")
-        if failed_at is None:
-            for r, c in enumerate(codes):
-                if c is not None and (c < 0 or c in (PEER_LOST, CRASHED)):
-                    if not ready and c >= 0 and _connect_error(tmp, r, tail):
-                        raise LaunchFailed(_last_line(tmp, r, tail))
-                    failed_at, failure = time.monotonic(), _describe(r, c, tmp, tail)
-                    break
+        failing = [r for r, c in enumerate(codes) if c is not None and (c < 0 or c in (PEER_LOST, CRASHED))]
+        if failing and failed_at is None:
+            r = failing[0]
+            if not ready and codes[r] >= 0 and _connect_error(tmp, r, tail):
+                raise LaunchFailed(_last_line(tmp, r, tail, quiet_too=True))
+            failed_at = time.monotonic()
         if all(c is not None for c in codes):
             break
         if codes[0] is not None and failed_at is None:
@@ -168,11 +171,30 @@ def _watch(procs, tmp: Path, n: int, label: str, tail: list) -> int:
         time.sleep(POLL)
     if failed_at is None:
         return procs[0].returncode if procs[0].returncode is not None else 1
-    print(f"{label}: error: {failure}{_partial_note(tmp)}", file=sys.stderr)
+    killed = set()
+    for r, p in enumerate(procs):  # stopped before the note reads what they wrote
+        if p.poll() is None:
+            killed.add(r)
+            p.kill()
+            p.wait()
+    failure = _describe([p.returncode for p in procs], killed, tmp, tail)
+    note = kept() if kept is not None else ""
+    print(f"{label}: error: {failure}{'; ' + note if note else ''}", file=sys.stderr)
     return 1
 
 
-def _describe(rank: int, code: int, tmp: Path, tail: list) -> str:
+def _describe(codes: list, killed: set, tmp: Path, tail: list) -> str:
+    """The failure in words, from the rank that started it: one killed by a signal (not
+    by us), else one that crashed, else one that lost its peers."""
+    order = (lambda c: c < 0, lambda c: c == CRASHED, lambda c: c == PEER_LOST)
+    for test in order:
+        for rank, code in enumerate(codes):
+            if rank not in killed and code is not None and test(code):
+                return _describe_one(rank, code, tmp, tail)
+    return "tensor-parallel ranks stopped without finishing; stopped all ranks"
+
+
+def _describe_one(rank: int, code: int, tmp: Path, tail: list) -> str:
     if code < 0:
         try:
             name = signal.Signals(-code).name
@@ -184,9 +206,9 @@ def _describe(rank: int, code: int, tmp: Path, tail: list) -> str:
     return f"tensor-parallel rank {rank} failed: {_last_line(tmp, rank, tail)}"
 
 
-def _last_line(tmp: Path, rank: int, tail: list) -> str:
+def _last_line(tmp: Path, rank: int, tail: list, *, quiet_too: bool = False) -> str:
     if rank == 0:
-        lines = [ln.strip() for ln in tail if ln.strip() and not _quiet(ln)]
+        lines = [ln.strip() for ln in tail if ln.strip() and (quiet_too or not _quiet(ln))]
     else:
         try:
             lines = [ln.strip() for ln in (tmp / f"rank{rank}.log").read_text(errors="replace").splitlines()
@@ -197,15 +219,5 @@ def _last_line(tmp: Path, rank: int, tail: list) -> str:
 
 
 def _connect_error(tmp: Path, rank: int, tail: list) -> bool:
-    line = _last_line(tmp, rank, tail).lower()
+    line = _last_line(tmp, rank, tail, quiet_too=True).lower()
     return any(w in line for w in ("address already in use", "connect", "bind"))
-
-
-def _partial_note(tmp: Path) -> str:
-    """Rank 0's report of the traces it had written when it stopped."""
-    try:
-        rep = json.loads((tmp / "rank0.failure").read_text())
-    except (OSError, ValueError):
-        return ""
-    kept = [f"{p} ({s} steps)" for p, s in rep.get("partial", [])]
-    return f"; steps already written are kept in {', '.join(kept)}" if kept else ""

@@ -98,19 +98,20 @@ def distribute(args, argv: list[str]) -> int | None:
         check_model_dirs(args, n)
     from ..tp_launch import launch
 
+    started = time.time()
     return launch([sys.executable, "-m", "divergence", *argv], n, label=f"divergence {args.command}",
-                  env=_backend_env())
-
-
-def _backend_env() -> dict:
-    return {}
+                  kept=lambda: _kept(args, started))
 
 
 def _as_rank(args, n: int) -> int:
     from ..engine import tp as tpmod
     from ..tp_launch import CRASHED, PEER_LOST
 
-    t = tpmod.init_from_env(expected=n if n > 1 else None)
+    try:
+        t = tpmod.init_from_env(expected=n if n > 1 else None)
+    except RuntimeError as e:  # e.g. a port taken since the launcher chose it: it retries
+        print(f"divergence-tp: cannot join the group: {e}", file=sys.stderr)
+        return CRASHED
     t.keep_full = args.command in ("replay", "bisect")  # their replays may force STEP:unsharded
     if not t.writes:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone reports
@@ -118,15 +119,12 @@ def _as_rank(args, n: int) -> int:
             import tempfile
 
             args.html = os.path.join(tempfile.mkdtemp(prefix="divergence-tp-rank-"), "report.html")
-    started = time.time()
     try:
         return int(args._run(args) or 0)
     except RuntimeError as e:
         if not _peer_lost(e):
             traceback.print_exc()
             return CRASHED
-        if t.writes:
-            _report_failure(args, started)
         print(f"divergence-tp: rank {t.rank}: {e}", file=sys.stderr)
         return PEER_LOST
 
@@ -136,22 +134,20 @@ def _peer_lost(e: Exception) -> bool:
     return any(w in text for w in ("[ring]", "[nccl]", "peer", "connection"))
 
 
-def _report_failure(args, started: float) -> None:
-    """Rank 0 says which traces it had written when a peer was lost (the launcher's
-    one line names them)."""
-    d = os.environ.get("DIVERGENCE_TP_DIR")
-    if not d:
-        return
-    kept = []
+def _kept(args, started: float) -> str:
+    """The partial traces a failed `run` left (a trace is renamed only once complete)."""
     out = getattr(args, "out", None)
-    if args.command == "run" and out:
-        from ..trace.reader import Trace
+    if args.command != "run" or not out:
+        return ""
+    from ..trace.reader import Trace
 
-        for p in sorted(Path(out).glob("*.h5.partial")):
-            if p.stat().st_mtime >= started - 1:
-                try:
-                    with Trace.open(p) as tr:
-                        kept.append([str(p), tr.num_steps])
-                except Exception:
-                    kept.append([str(p), "?"])
-    Path(d, "rank0.failure").write_text(json.dumps({"partial": kept}))
+    kept = []
+    for p in sorted(Path(out).glob("*.h5.partial")):
+        if p.stat().st_mtime < started - 1:
+            continue
+        try:
+            with Trace.open(p) as tr:
+                kept.append(f"{p} ({tr.num_steps} steps)")
+        except Exception:  # noqa: BLE001  (a file killed before its first flush)
+            kept.append(f"{p} (unreadable)")
+    return f"steps already written are kept in {', '.join(kept)}" if kept else ""

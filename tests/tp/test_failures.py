@@ -1,0 +1,98 @@
+"""A rank that dies stops the run within seconds, with one line, keeping the steps
+already written; a launch whose port was taken is retried on fresh ports."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from divergence import tp_launch
+
+from .conftest import ROOT
+
+
+def _ranks(pid: int) -> dict[int, int]:
+    """MLX_RANK -> pid of the launcher's children (Linux /proc)."""
+    out = {}
+    try:
+        kids = [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return out
+    for c in kids:
+        try:
+            env = Path(f"/proc/{c}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        for e in env:
+            if e.startswith(b"MLX_RANK="):
+                out[int(e.split(b"=", 1)[1])] = c
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_dead_rank_fails_the_run_in_seconds_and_keeps_written_steps(tmp_path, fixture_dir, victim):
+    from divergence.trace.reader import Trace
+
+    out = tmp_path / "t"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "divergence", "run", "--model", str(fixture_dir), "--tp", "2",
+                          "--max-tokens", "500", "--ignore-eos", "--schedules", "serial", "--out", str(out)],
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        partial = out / "serial.h5.partial"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and p.poll() is None:
+            if partial.exists() and partial.stat().st_size > 0:
+                break
+            time.sleep(0.1)
+        time.sleep(1.5)  # a few flushed steps
+        ranks = _ranks(p.pid)
+        assert set(ranks) == {0, 1}, (ranks, p.poll())
+        os.kill(ranks[victim], signal.SIGKILL)
+        killed = time.monotonic()
+        _, err = p.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1
+    assert took < 15, took
+    lines = [ln for ln in err.splitlines() if "error" in ln]
+    assert len(lines) == 1, err
+    assert f"rank {victim} died (killed by SIGKILL)" in lines[0] and "serial.h5.partial" in lines[0], lines[0]
+    assert "Traceback" not in err and "[ring]" not in err
+    assert not (out / "serial.h5").exists()
+    with Trace.open(partial) as t:
+        assert t.num_steps > 0 and not t.completed
+
+
+def test_a_taken_port_is_retried(tmp_path, monkeypatch):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    real = tp_launch.free_ports
+    calls = []
+
+    def ports(n):
+        calls.append(n)
+        return [taken.getsockname()[1]] + real(n - 1) if len(calls) == 1 else real(n)
+
+    monkeypatch.setattr(tp_launch, "free_ports", ports)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    script = ("import sys; from divergence.cli.tp_cli import _as_rank\n"
+              "class A: command = 'diff'\n"
+              "A._run = staticmethod(lambda a: 0)\n"
+              "sys.exit(_as_rank(A(), 2))\n")
+    try:
+        rc = tp_launch.launch([sys.executable, "-c", script], 2)
+    finally:
+        taken.close()
+    assert rc == 0 and len(calls) >= 2
