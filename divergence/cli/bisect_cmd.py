@@ -58,7 +58,7 @@ def build_report(args, a, b):
             raise DivergenceInputError("--confirm replays with divergence's engine, --confirm-cmd with yours: "
                                        "give one")
         replayer = make_command_confirmer(a, b, confirm_cmd, *labels)
-    elif args.confirm or not (a.has_kv_hashes and b.has_kv_hashes):
+    elif args.confirm or not (a.has_kv_hashes and b.has_kv_hashes) and not _foreign(a, b):
         from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
 
         if args.confirm:
@@ -73,3 +73,8 @@ def build_report(args, a, b):
         bisector = make_replay_bisector(a, b, engine_replayer, *labels)
     return bisect_traces(a, b, confirm=args.confirm or bool(confirm_cmd), replayer=replayer,
                          replay_bisector=bisector, bitwise=args.bitwise)
+
+
+def _foreign(a, b) -> bool:
+    """Recorded by another engine: replay can't bisect them (without KV hashes, no lead)."""
+    return any(t.meta.get("settings", {}).get("engine") for t in (a, b))

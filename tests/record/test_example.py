@@ -114,3 +114,17 @@ def test_engine_only_commands_refuse_foreign_traces(pair, capsys):
         assert main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "toy-engine" in err[0] and "cannot re-execute" in err[0], err
+
+
+def test_without_kv_hashes_bisect_diffs_and_does_not_try_replay(pair, tmp_path, capsys):
+    import shutil
+
+    paths = []
+    for name in ("serial", "concurrent"):
+        d = shutil.copytree(pair[0].parent / name, tmp_path / name)
+        (d / "kv_writes.jsonl").unlink()
+        assert main(["import", str(d), "--out", str(tmp_path / f"{name}.h5")]) == 0
+        paths.append(str(tmp_path / f"{name}.h5"))
+    rc, b = run_json(["bisect", *paths], capsys)
+    assert rc == 1 and b["mode"].startswith("none") and b["requests"][0]["root_cause"] is None
+    assert b["requests"][0]["first_divergent_token"]["position"] == 43
