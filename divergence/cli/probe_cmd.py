@@ -12,6 +12,8 @@ def add_arguments(p) -> None:
     p.add_argument("--kv-lens", default="64,256,1024",
                    help="KV lengths to probe SDPA at (query lengths from --rows up to each; default 64,256,1024)")
     p.add_argument("--no-cache", action="store_true", help="measure again instead of using the cached map")
+    p.add_argument("--tp", type=int, metavar="N", help="instead: does the all-reduce of N tensor-parallel ranks "
+                   "depend on the message size? (rows of the model's hidden width; starts N ranks)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 
@@ -20,6 +22,8 @@ def main(args) -> int:
     from ..probe import parse_rows, probe_model
 
     rows = parse_rows(args.rows)
+    if args.tp is not None and args.tp > 1:
+        return _probe_tp(args, rows)
     kv_lens = parse_rows(args.kv_lens, "--kv-lens")
     target_dir, _ = default_model_dirs()
     loaded = load_model(args.model or target_dir, dtype=args.dtype)
@@ -34,4 +38,35 @@ def main(args) -> int:
     for o in result["ops"]:
         name = f"{o['op']} {o['shape']} {o['dtype']}"
         print(f"  {name:<{w}}  {o['summary']}")
+    return 0
+
+
+def _probe_tp(args, rows) -> int:
+    """`probe --tp N`, run on each of the N ranks; rank 0 reports."""
+    from pathlib import Path
+
+    import mlx.core as mx
+
+    from ..engine.model import DTYPES, read_config
+    from ..engine.tp import current
+    from ..tp_probe import probe_tp
+
+    target_dir, _ = default_model_dirs()
+    model = Path(args.model or target_dir)
+    width = int(read_config(model)["hidden_size"])
+    dtypes = [DTYPES[args.dtype]] if args.dtype else [mx.float32, mx.bfloat16]
+    tp = current()
+    result = probe_tp(tp, width, dtypes, rows)
+    result["model"] = str(model)
+    if args.json:
+        emit_json(result)
+        return 0
+    env = result["environment"]
+    print(f"all-reduce over {tp.size} ranks ({tp.backend}, {env['device']}, MLX {env['mlx']}), "
+          f"rows of {model.name}'s hidden width {width}")
+    for o in result["allreduce"]:
+        order = o["equals_rank_order"]
+        same = "every row count" if all(order) else ("no row count" if not any(order) else
+                                                     f"{sum(order)} of {len(order)} row counts")
+        print(f"  all_reduce {o['shape']} {o['dtype']}  {o['summary']}; equals the rank-order sum at {same}")
     return 0
