@@ -30,3 +30,11 @@ def pair(tmp_path_factory):
 @pytest.fixture(scope="session")
 def anyio_backend():
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _confirm_runs_in_tmp_path(tmp_path, monkeypatch):
+    """bisect --confirm-cmd keeps each re-run in a temp dir (named in its detail): here, under tmp_path."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
