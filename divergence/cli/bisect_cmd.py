@@ -9,7 +9,7 @@ from .common import emit_json, open_pair
 HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p, *, html_required: bool = False) -> None:
     p.add_argument("a", metavar="A.h5")
     p.add_argument("b", metavar="B.h5")
     p.add_argument("--confirm", action="store_true", help="replay B with the root-cause step forced to A's kernel")
@@ -21,7 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--bitwise", action="store_true",
                    help="a request whose tokens match but whose logits differ counts as diverged: it gets a root "
                         "cause (and with --confirm a confirmation) like any other, and the exit code is 1")
-    p.add_argument("--html", metavar="OUT.html", help="also write the report as one self-contained HTML page")
+    p.add_argument("--html", metavar="OUT.html", required=html_required,
+                   help="where to write the page" if html_required else
+                   "also write the report as one self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 

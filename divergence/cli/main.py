@@ -60,6 +60,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print(f"divergence {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `divergence bisect ... --json | head`: the reader left, not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python flushes stdout at exit: don't raise again there
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

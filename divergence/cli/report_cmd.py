@@ -11,11 +11,7 @@ HELP = "write the bisect report of two traces as one self-contained HTML page (o
 
 
 def add_arguments(p) -> None:
-    bisect_cmd.add_arguments(p)  # the same options as bisect (--confirm, --model, ...), --html required
-    for action in p._actions:
-        if action.dest == "html":
-            action.required = True
-            action.help = "where to write the page"
+    bisect_cmd.add_arguments(p, html_required=True)  # the same options as bisect (--confirm, --model, ...)
 
 
 def check_out(path) -> Path:

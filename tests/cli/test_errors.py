@@ -67,3 +67,17 @@ def test_probe_and_sweep_bad_input(capsys):
     assert rc == 2 and "rows" in err[0]
     rc, _, err = run(["sweep", "-n", "0"], capsys)
     assert rc == 2 and "at least one run" in err[0]
+
+
+def test_a_closed_pipe_is_no_traceback():
+    """`divergence bisect A B --json | head -1`: the reader leaves early; no traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    traces = Path(__file__).parents[2] / "traces" / "v1"
+    cmd = (f"{sys.executable} -m divergence bisect {traces / 'serial.h5'} {traces / 'concurrent.h5'} --json"
+           " | head -c 10")
+    out = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("{")
+    assert "Traceback" not in out.stderr, out.stderr
