@@ -5,9 +5,13 @@
    write of every (layer, position), rollbacks and overwrites included).
 2. The earliest differing (position, layer) names the write, and so the step,
    in each trace; those steps' rows, composition and kernels are the lead.
-3. Classify: `sampler` (logits bitwise equal, token differs), `step_compute`
-   (the cache the step read was identical: its own kernels differ),
-   `cache_contamination` (an earlier write differs).
+3. Classify: `sampler` (the logits are bitwise equal up to and at the flip, and
+   the draws show the sampler's own inputs moved: the draft's q in speculative
+   sampling; the lead is then the draft step that computed q, or the draft step
+   whose K/V it read differently), `step_compute` (the cache the step read was
+   identical: its own kernels differ), `cache_contamination` (an earlier write
+   differs). A plain sample whose same u fell on another token means logits
+   outside the stored top-k differ: a compute cause.
 Replay (`confirm`) turns the lead into proof.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 from ..core.labels import kernel_label
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
 from .tp import describe as tp_describe
+from .sampler import SamplerStory, sampler_story
 
 CACHE_CONTAMINATION = "cache_contamination"
 STEP_COMPUTE = "step_compute"
@@ -57,6 +62,10 @@ class RootCause:
     confirm_detail: str = ""
     routing_flip: object = None  # analysis.routing.RoutingFlip on the path to the divergence (MoE models)
     tensor_parallel: dict | None = None  # TP=1 vs TP=N pairs: see analysis.tp.describe
+    sampler: SamplerStory | None = None  # where the flip's uniform draw fell in each trace
+    model: str = "target"  # the model whose steps a and b are (draft: a sampler cause's q)
+    first_op: object = None  # analysis.ops.OpDifference: the first op whose output rows differ (--ops / --confirm)
+    first_op_detail: str = ""  # why there is none, when it was asked for
 
     @property
     def native_class_changes(self) -> dict[str, tuple[int, int]]:
@@ -77,6 +86,9 @@ class RootCause:
             "confirm_detail": self.confirm_detail,
             "routing_flip": self.routing_flip.to_json() if self.routing_flip is not None else None,
             "tensor_parallel": self.tensor_parallel,
+            "model": self.model,
+            "first_op": self.first_op.to_json() if self.first_op is not None else None,
+            "sampler": self.sampler.to_json() if self.sampler else None,
         }
 
 
@@ -167,23 +179,45 @@ def step_views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepVi
 
 
 def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
-    """The lead for one diverged request, from KV hashes alone."""
+    """The lead for one diverged request, from KV hashes (and, for sampled requests, draws) alone."""
     num = d.first_numeric_divergence
     tok = d.first_divergent_token
-    if num is None:
-        if tok is None:
-            return None
-        # Every stored logit is bitwise equal, yet the token differs: the sampler did it.
-        va, vb, op = step_views(a, b, tok.step_a, tok.step_b)
-        return RootCause(SAMPLER, None, [tok.position], va, vb, co_batched(b, tok.step_b, d.id), op=None)
+    if num is None and tok is None:
+        return None
+    story = sampler_story(a, b, d.id, tok.position, tok.step_a, tok.step_b, _label(a, "A"), _label(b, "B")) \
+        if tok is not None else None
+    if tok is not None and (num is None or num.position > tok.position):
+        # The stored logits are bitwise equal up to and at the flip. Where the draws show the
+        # same u falling elsewhere in a plain sample, the logits outside the top-k differ: a
+        # compute cause like any other (below). Otherwise the sampler decided it.
+        if story is None or story.depends_on_draft or story.uniform_differs:
+            return _sampler_cause(a, b, d, tok, story)
     # The divergent step is the one that computed the flipped token (or, with no flip,
     # the first differing logits); compare every KV write it read.
     if tok is not None:
         pos, step_a_div, step_b_div = tok.position, tok.step_a, tok.step_b
     else:
         pos, step_a_div, step_b_div = num.position, num.step_a, num.step_b
-    ka = _cells(a.live_kv(d.id, model="target", at_step=step_a_div), pos)
-    kb = _cells(b.live_kv(d.id, model="target", at_step=step_b_div), pos)
+    until = tok.step_b if tok is not None else num.step_b
+    lead = _kv_lead(a, b, d.id, pos, step_a_div, step_b_div, "target")
+    if lead is None:
+        # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
+        va, vb, op = step_views(a, b, step_a_div, step_b_div, prefer=("lm_head",) + WRITE_OPS)
+        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, co_batched(b, step_b_div, d.id), op=op,
+                         sampler=story)
+    layer, positions, step_a, step_b = lead
+    kind = STEP_COMPUTE if step_b == step_b_div and step_a == step_a_div else CACHE_CONTAMINATION
+    va, vb, op = step_views(a, b, step_a, step_b)
+    co = co_batched(b, step_b, d.id)
+    return RootCause(kind, layer, positions, va, vb, co, finished_before(b, co, until), op=op, sampler=story)
+
+
+def _kv_lead(a, b, rid: str, pos: int, step_a: int, step_b: int, model: str):
+    """The earliest (position, layer) whose live K/V, as read by the row predicting `pos`
+    at those steps, differ: (layer, B positions that B step wrote at that layer, A step,
+    B step); None when everything read was identical."""
+    ka = _cells(a.live_kv(rid, model=model, at_step=step_a), pos)
+    kb = _cells(b.live_kv(rid, model=model, at_step=step_b), pos)
     # Both key arrays are sorted and unique: intersect by binary search (np.intersect1d
     # hashes, ~10x slower on a million cells).
     ib_all = np.searchsorted(kb["key"], ka["key"])
@@ -192,21 +226,59 @@ def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
     ia, ib = np.flatnonzero(hit), ib_all[hit]
     differ = (ka["k"][ia] != kb["k"][ib]) | (ka["v"][ia] != kb["v"][ib])
     if not differ.any():
-        # The cache it read was identical: this step's own kernels (often lm_head) made the difference.
-        va, vb, op = step_views(a, b, step_a_div, step_b_div, prefer=("lm_head",) + WRITE_OPS)
-        return RootCause(STEP_COMPUTE, None, [pos - 1], va, vb, co_batched(b, step_b_div, d.id), op=op)
+        return None
     # common is sorted by (position, layer): the first differing cell is the earliest.
     ja, jb = ia[differ][0], ib[differ][0]
     layer = int(kb["layer"][jb])
-    step_a, step_b = int(ka["step"][ja]), int(kb["step"][jb])
-    kind = STEP_COMPUTE if step_b == step_b_div and step_a == step_a_div else CACHE_CONTAMINATION
+    wa, wb = int(ka["step"][ja]), int(kb["step"][jb])
     # All differing positions written by that same B step at that layer.
-    sel = (kb["step"][ib[differ]] == step_b) & (kb["layer"][ib[differ]] == layer)
-    positions = sorted(int(p) for p in kb["position"][ib[differ]][sel])
-    va, vb, op = step_views(a, b, step_a, step_b)
+    sel = (kb["step"][ib[differ]] == wb) & (kb["layer"][ib[differ]] == layer)
+    return layer, sorted(int(p) for p in kb["position"][ib[differ]][sel]), wa, wb
+
+
+def _sampler_cause(a, b, d: RequestDiff, tok, story) -> RootCause:
+    """Equal target logits, another token. Where the draw involved the draft (accept test,
+    residual, proposal), the draft's q differed: the lead is the draft step that computed
+    it, or the earlier draft step whose K/V it read differently."""
+    if story is None or not story.depends_on_draft:
+        va, vb, _ = step_views(a, b, tok.step_a, tok.step_b)
+        return RootCause(SAMPLER, None, [tok.position], va, vb, co_batched(b, tok.step_b, d.id), op=None,
+                         sampler=story)
+    da, db = draft_step(a, d.id, tok.position, tok.step_a), draft_step(b, d.id, tok.position, tok.step_b)
+    if da is None or db is None:
+        va, vb, _ = step_views(a, b, tok.step_a, tok.step_b)
+        return RootCause(SAMPLER, None, [tok.position], va, vb, co_batched(b, tok.step_b, d.id), op=None,
+                         sampler=story)
+    lead = _kv_lead(a, b, d.id, tok.position, da, db, "draft")
+    layer, positions, step_a, step_b = lead if lead is not None else (None, [tok.position - 1], da, db)
+    va, vb, op = step_views(a, b, step_a, step_b, prefer=("lm_head",) + WRITE_OPS if lead is None else WRITE_OPS)
     co = co_batched(b, step_b, d.id)
-    until = tok.step_b if tok is not None else num.step_b
-    return RootCause(kind, layer, positions, va, vb, co, finished_before(b, co, until), op=op)
+    return RootCause(SAMPLER, layer, positions, va, vb, co, finished_before(b, co, tok.step_b), op=op,
+                     sampler=story, model="draft")
+
+
+def draft_step(trace, rid: str, position: int, before: int) -> int | None:
+    """The latest draft step before `before` that predicted `position` for the request
+    (its slice's last row is position - 1): where the q of that position's draws came from."""
+    st = trace.steps
+    idx = np.asarray(st["index"])
+    models = np.asarray(st["model"])
+    draft_code = _model_code(trace, "draft")
+    for i in np.flatnonzero((idx < before) & (models == draft_code))[::-1]:
+        for s in trace.step_plan(int(idx[i])).slices:
+            if s.request_id == rid and s.start + s.count == position:
+                return int(idx[i])
+    return None
+
+
+def _model_code(trace, name: str) -> int:
+    from ..core.names import MODELS
+
+    return MODELS.index(name)
+
+
+def _label(trace, default: str) -> str:
+    return str(trace.meta.get("schedule", default))
 
 
 def _cells(live, pos: int) -> dict:

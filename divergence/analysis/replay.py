@@ -301,35 +301,35 @@ def _rows_per_op(trace, step: int) -> dict:
     return out
 
 
-def _suspect_steps(a, b, rid: str, tok, num) -> dict[int, int]:
-    """B step -> A step, for every step whose writes the flip read and whose kernels differ
-    (plus the steps that computed the first numeric difference and the flip)."""
+def _suspect_steps(a, b, rid: str, pos: int, step_a: int, step_b: int, model: str = "target") -> dict[int, int]:
+    """B step -> A step: the step that computed the divergent row (predicting `pos`), and
+    every step that wrote K/V it read differently from A's (their rows or kernels differ)."""
     from .bisect import step_kernels
 
-    pairs: dict[int, int] = {}
-    if num is not None:
-        pairs[num.step_b] = num.step_a
-    if tok is None:
-        return pairs
-    pairs[tok.step_b] = tok.step_a
-    la = a.live_kv(rid, at_step=tok.step_a)
-    lb = b.live_kv(rid, at_step=tok.step_b)
-    a_step = {(int(l), int(p)): int(s) for l, p, s in zip(la["layer"], la["position"], la["step"]) if p < tok.position}
-    for l, p, s in zip(lb["layer"], lb["position"], lb["step"]):
-        if p < tok.position and (int(l), int(p)) in a_step:
-            pairs.setdefault(int(s), a_step[(int(l), int(p))])
+    pairs: dict[int, int] = {step_b: step_a}
+    la = a.live_kv(rid, model=model, at_step=step_a)
+    lb = b.live_kv(rid, model=model, at_step=step_b)
+    a_cell = {(int(l), int(p)): (int(s), int(k), int(v))
+              for l, p, s, k, v in zip(la["layer"], la["position"], la["step"], la["k_hash"], la["v_hash"]) if p < pos}
+    for l, p, s, k, v in zip(lb["layer"], lb["position"], lb["step"], lb["k_hash"], lb["v_hash"]):
+        got = a_cell.get((int(l), int(p)))
+        if p < pos and got is not None and (got[1], got[2]) != (int(k), int(v)):
+            pairs.setdefault(int(s), got[0])
     # native labels hide row-count classes: a native step whose rows differ is a suspect too
     return {sb: sa for sb, sa in sorted(pairs.items())
-            if step_kernels(a, sa) != step_kernels(b, sb) or _rows_per_op(a, sa) != _rows_per_op(b, sb)}
+            if step_kernels(a, sa) != step_kernels(b, sb) or _rows_per_op(a, sa) != _rows_per_op(b, sb)
+            or sb == step_b}
 
 
 def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
     """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
 
-    First the strong claim: B with only the root-cause step run as A ran it (A's kernels,
-    or request by request where both are `native`) matches A up to the divergence. If
-    other steps also differ, the weaker one: B with every suspect step (its writes were
-    read by the flip, and its kernels or row counts differ) forced.
+    What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
+    A's logits bit for bit up to the first position where they differed. First the strong
+    claim: B with only the root-cause step run as A ran it (A's kernels, or request by
+    request where both are `native`). If other steps also differ, the weaker one: B with
+    every suspect step forced (the divergent row's step, and every step whose K/V writes
+    it read differently). A sampler cause (the draft's q) forces the draft's steps.
     """
 
     def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
@@ -341,46 +341,56 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
         bitwise = same and la.shape == lb.shape and bool((la == lb).all())
         first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
+        if first is None and not bitwise and la.shape == lb.shape:
+            bad = np.flatnonzero((la != lb).any(axis=1))
+            first = int(bad[0]) if bad.size else None
         return same, bitwise, first
 
     def confirm(cause, rd):
-        if cause.kind == "sampler":
-            return None, "a sampler cause has no kernel to force"
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
-        if tok is None and num is not None:  # tokens equal, logits not (--bitwise): prove it on the bits
-            return confirm_logits(cause, rd, num)
-        n = (tok.generated_index + 1) if tok is not None else rd.compared
-        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
-        same, bitwise, first = matches(rd.id, forced, n)
-        what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
-        exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
-        if same:
-            return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}"
-        pairs = _suspect_steps(a, b, rd.id, tok, num)
-        pairs[cause.b.step] = cause.a.step
-        if len(pairs) > 1:
-            forced = {sb: force_like_a(a, sa, b, sb) for sb, sa in pairs.items()}
-            same2, bitwise2, first2 = matches(rd.id, forced, n)
-            if same2:
-                exact = ", bit for bit" if bitwise2 else " (tokens; some logits still differ)"
-                return True, (f"replaying {label_b} with {_forcing_words(forced, label_a)} makes {rd.id} "
-                              f"match {label_a} up to the divergence{exact} (step {cause.b.step} alone does not: "
-                              f"{len(pairs) - 1} other step{'s' if len(pairs) > 2 else ''} differ too)")
-            return False, (f"{what}: {rd.id} still differs at generated #{first}; with "
-                           f"{_forcing_words(forced, label_a)} it differs at #{first2}")
-        return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}"
+        if cause.kind == "sampler" and cause.model != "draft":
+            return None, "a sampler cause with equal logits and no draft involved has no kernel to force"
+        logits_only = tok is None and num is not None
+        if logits_only:  # tokens equal, logits not (--bitwise): prove it on the bits
+            n, pos, step_a, step_b = num.position - rd.prompt_len + 1, num.position, num.step_a, num.step_b
+        else:
+            n = (tok.generated_index + 1) if tok is not None else rd.compared
+            pos, step_a, step_b = (tok.position, tok.step_a, tok.step_b) if tok else (0, 0, 0)
+        goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}, where they first "
+                f"differed") if logits_only else f"makes {rd.id} match {label_a} up to the divergence"
 
-    def confirm_logits(cause, rd, num):
-        """The logits first differ at num.position: with the cause step run as A ran it,
-        B's logits must equal A's bit for bit up to and including that position."""
-        n = num.position - rd.prompt_len + 1
+        def check(forced):
+            same, bitwise, first = matches(rd.id, forced, n)
+            ok = bitwise if logits_only else same
+            exact = "" if logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")
+            return ok, exact, first
+
         forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
-        _, bitwise, _ = matches(rd.id, forced, n)
         what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
-        if bitwise:
-            return True, (f"{what} makes {rd.id}'s logits equal {label_a}'s bit for bit up to position "
-                          f"{num.position}, where they first differed")
-        return False, f"{what}: {rd.id}'s logits still differ from {label_a}'s by position {num.position}"
+        ok, exact, first = check(forced)
+        if ok:
+            return True, f"{what} {goal}{exact}"
+        if cause.model == "draft":
+            from .bisect import draft_step
+
+            da, db = draft_step(a, rd.id, pos, step_a), draft_step(b, rd.id, pos, step_b)
+            pairs = _suspect_steps(a, b, rd.id, pos, da, db, "draft") if da is not None and db is not None else {}
+        elif tok is not None or logits_only:
+            pairs = _suspect_steps(a, b, rd.id, pos, step_a, step_b)
+        else:
+            pairs = {}
+        pairs[cause.b.step] = cause.a.step
+        where = (lambda i: f"position {rd.prompt_len + i}") if logits_only else (lambda i: f"generated #{i}")
+        if len(pairs) > 1:
+            forced2 = {sb: force_like_a(a, sa, b, sb) for sb, sa in pairs.items()}
+            ok2, exact2, first2 = check(forced2)
+            if ok2:
+                return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal}{exact2} "
+                              f"(step {cause.b.step} alone does not: {len(pairs) - 1} other "
+                              f"step{'s' if len(pairs) > 2 else ''} differ too)")
+            return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
+                           f"{_forcing_words(forced2, label_a)} it differs at {where(first2)}")
+        return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"
 
     return confirm
 

@@ -137,9 +137,25 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
             out.append(f"    root cause: {kind}: the cache it read was identical;")
         out.append(f"      {label_b} step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
+    elif c.model == "draft":  # the draft's q moved the sampler: its step is the lead
+        out.append(f"    root cause: {kind}: the target's logits are bitwise equal up to the flip; the draft's q differs:")
+        out.append(f"      {c.sampler.text}")
+        where = (f"layer {c.layer}, {'position' if len(c.positions) == 1 else 'positions'} {_span(c.positions)} "
+                 f"of the draft's cache, written" if c.layer is not None else "computed")
+        out.append(f"      {where} in {label_b} draft step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
+        out.append(f"      {label_a} draft step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     else:
         out.append(f"    root cause: {kind}: the logits are bitwise equal but the sampled token differs")
-    out += native_lines(c)
+        if c.sampler is not None:
+            out.append(f"      {c.sampler.text}")
+    if c.sampler is not None and c.kind != SAMPLER:
+        out.append(f"      sampler: {c.sampler.text}")
+    if c.first_op is not None:
+        out.append(f"      first op that differed: {c.first_op.text()}")
+    elif c.first_op_detail:
+        out.append(f"      first op: {c.first_op_detail}")
+    else:
+        out += native_lines(c)  # the probed classes are the lead only until the ops were compared
     if c.routing_flip is not None:
         out += c.routing_flip.lines(label_a, label_b)
     out += tp_lines(c)

@@ -126,6 +126,8 @@ class TokenEvent:
     spec: int  # SPEC_NONE | SPEC_ACCEPTED | SPEC_CORRECTED
     topk_ids: np.ndarray  # int32 [k], best first
     topk_logits: np.ndarray  # float32 [k], raw logits as the model produced them
+    logit: float = float("nan")  # the token's own logit (also when outside the top-k)
+    prob: float = float("nan")  # its probability under the request's sampler (greedy: the softmax)
 
 
 @dataclass

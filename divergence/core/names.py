@@ -64,3 +64,6 @@ RECORD_KINDS = ("run", "request", "step", "kernel", "kv_write", "token", "finish
 
 # mx.distributed backends an all-reduce ran on (tensor parallelism).
 TP_BACKENDS = ("ring", "mpi", "nccl", "jaccl", "single")
+
+# What a sampler's uniform draw was for (index = the engine's purpose number).
+DRAW_PURPOSES = ("sample", "accept", "residual", "draft")
