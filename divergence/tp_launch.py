@@ -3,7 +3,11 @@ needs no extra command. Imports neither mlx nor the engine (the parent is no ran
 
 Ranks join over MLX's ring backend on 127.0.0.1 (free ports from the OS; a launch
 whose ranks cannot connect is retried on new ports), each with MLX_RANK and
-MLX_HOSTFILE as mlx.launch would set them. Rank 0's stdout is this process's; its
+MLX_HOSTFILE as mlx.launch would set them; with DIVERGENCE_TP_BACKEND=nccl, over
+NCCL, one GPU per rank (NCCL_HOST_IP / NCCL_PORT / MLX_WORLD_SIZE /
+CUDA_VISIBLE_DEVICES, as `mlx.launch --backend nccl` sets them). With NCCL a
+survivor does not notice a dead peer (it waits in the collective): the grace
+period's kill is what stops it. Rank 0's stdout is this process's; its
 stderr is forwarded without the ring's own per-socket messages; other ranks' output
 goes to files shown on failure. A rank that dies stops the whole group within
 seconds: the survivors see the ring connection drop and stop by themselves (rank 0
@@ -26,6 +30,7 @@ from pathlib import Path
 
 SIZE_ENV = "DIVERGENCE_TP_SIZE"  # same names as engine/tp.py (which imports mlx)
 DIR_ENV = "DIVERGENCE_TP_DIR"
+BACKEND_ENV = "DIVERGENCE_TP_BACKEND"  # ring (default) | nccl
 # exit codes a rank uses beyond the CLI's 0/1/2/130
 PEER_LOST = 75  # a collective failed: another rank is gone
 CRASHED = 70  # an unexpected exception inside a rank
@@ -93,14 +98,40 @@ def launch(command: list[str], n: int, *, label: str = "divergence", env: dict |
     return 1
 
 
+def backend() -> str:
+    """ring (default: any machine) or nccl (one process per GPU of this host), from
+    DIVERGENCE_TP_BACKEND; mlx.launch picks for itself when it starts the ranks."""
+    b = os.environ.get(BACKEND_ENV, "ring").strip().lower()
+    if b not in ("ring", "nccl"):
+        raise ValueError(f"{BACKEND_ENV}={b!r}: expected ring or nccl")
+    return b
+
+
+def _rank_env(r: int, n: int, tmp: Path, kind: str, hostfile: Path | None, nccl_port: int | None) -> dict:
+    env = {"MLX_RANK": str(r), SIZE_ENV: str(n), DIR_ENV: str(tmp)}
+    if kind == "ring":
+        env["MLX_HOSTFILE"] = str(hostfile)
+        return env
+    # as mlx.launch --backend nccl sets them: rank 0's address and port, the world size,
+    # and one GPU per rank (the r-th of the visible ones)
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    env.update(NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(nccl_port), MLX_WORLD_SIZE=str(n),
+               CUDA_VISIBLE_DEVICES=visible[r] if r < len(visible) else str(r))
+    return env
+
+
 def _launch_once(command, n, label, extra_env, kept) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="divergence-tp-"))
-    hostfile = tmp / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    kind = backend()
+    hostfile = nccl_port = None
+    if kind == "ring":
+        hostfile = tmp / "hosts.json"
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in free_ports(n)]))
+    else:
+        nccl_port = free_ports(1)[0]
     procs, logs = [], []
     for r in range(n):
-        env = {**os.environ, **(extra_env or {}), "MLX_RANK": str(r), "MLX_HOSTFILE": str(hostfile),
-               SIZE_ENV: str(n), DIR_ENV: str(tmp)}
+        env = {**os.environ, **(extra_env or {}), **_rank_env(r, n, tmp, kind, hostfile, nccl_port)}
         out = None if r == 0 else open(tmp / f"rank{r}.log", "wb")
         err = subprocess.PIPE if r == 0 else subprocess.STDOUT
         procs.append(subprocess.Popen(command, env=env, stdout=out, stderr=err,
@@ -128,7 +159,7 @@ def _forward_stderr(pipe, tail: list) -> None:
     """Rank 0's stderr to ours, minus the ring backend's '[ring] ...' socket chatter."""
     for raw in iter(pipe.readline, b""):
         line = raw.decode("utf-8", "replace")
-        if line.startswith("[ring]"):
+        if line.startswith(("[ring]", "[nccl]")):
             continue
         tail.append(line)
         del tail[:-20]

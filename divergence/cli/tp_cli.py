@@ -98,6 +98,12 @@ def distribute(args, argv: list[str]) -> int | None:
         check_model_dirs(args, n)
     from ..tp_launch import launch
 
+    from ..tp_launch import backend
+
+    try:
+        backend()
+    except ValueError as e:
+        raise TensorParallelError(str(e)) from None
     started = time.time()
     return launch([sys.executable, "-m", "divergence", *argv], n, label=f"divergence {args.command}",
                   kept=lambda: _kept(args, started))

@@ -96,3 +96,16 @@ def test_a_taken_port_is_retried(tmp_path, monkeypatch):
     finally:
         taken.close()
     assert rc == 0 and len(calls) >= 2
+
+
+def test_nccl_ranks_get_mlx_launch_environment(tmp_path, monkeypatch):
+    """divergence's own NCCL launch sets what `mlx.launch --backend nccl` sets (this
+    machine has no GPUs: the environment is what can be checked here)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    env = tp_launch._rank_env(1, 2, tmp_path, "nccl", None, 4242)
+    assert env["MLX_RANK"] == "1" and env["MLX_WORLD_SIZE"] == "2"
+    assert env["NCCL_HOST_IP"] == "127.0.0.1" and env["NCCL_PORT"] == "4242"
+    assert env["CUDA_VISIBLE_DEVICES"] == "3" and "MLX_HOSTFILE" not in env
+    monkeypatch.setenv("DIVERGENCE_TP_BACKEND", "gloo")
+    with pytest.raises(ValueError):
+        tp_launch.backend()
