@@ -387,7 +387,7 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
             if ok2:
                 return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal}{exact2} "
                               f"(step {cause.b.step} alone does not: {len(pairs) - 1} other "
-                              f"step{'s' if len(pairs) > 2 else ''} differ too)")
+                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
             return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
                            f"{_forcing_words(forced2, label_a)} it differs at {where(first2)}")
         return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"
