@@ -28,9 +28,7 @@ from divergence.engine.forward import PackedForward  # noqa: E402
 from divergence.engine.model import load_model  # noqa: E402
 
 
-def _bits(a: mx.array) -> np.ndarray:
-    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
-    return np.array(a.view(width))
+from divergence.engine.bits import raw_bits as _bits  # noqa: E402
 
 
 def rows_differ(fn, x: mx.array) -> list[int]:

@@ -20,7 +20,8 @@ import numpy as np
 
 from .engine.forward import PackedForward
 from .engine.kernels import LinearOp
-from .engine.native_classes import NativeClassProbe, bits as _bits
+from .engine.bits import raw_bits as _bits
+from .engine.native_classes import NativeClassProbe
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
 DEFAULT_KV_LENS = (64, 256, 1024)  # KV lengths SDPA is probed at
@@ -132,7 +133,7 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
         except (OSError, json.JSONDecodeError):
             cache = {}
     seen: dict[tuple, OpProbe] = {}
-    ops = [(li, o) for li, lo in enumerate(fwd.ops) for o in (lo.q, lo.k, lo.v, lo.o, lo.gate, lo.up, lo.down)]
+    ops = [(li, o) for li in range(fwd.num_layers) for o in fwd.layer_linear_ops(li)]
     ops.append((fwd.num_layers, fwd.head))
     for li, op in ops:
         key = (op.name, op.n, op.k)

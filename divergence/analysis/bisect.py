@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.labels import kernel_label
+from ..core.names import ATTENTION
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
 from .tp import describe as tp_describe
 from .sampler import SamplerStory, sampler_story
@@ -42,6 +43,7 @@ class StepView:
     kernels: dict  # op -> kernel label (first layer where the op ran; lm_head included)
     # op -> (rows, native class signature) where the op ran natively (see engine.native_classes)
     native: dict = field(default_factory=dict)
+    attention_class: int = 0  # probed class of the step's attention kernel; 0 = unknown / no decode rows
 
     def to_json(self) -> dict:
         return {"step": self.step, "rows": self.rows, "composition": self.composition,
@@ -137,9 +139,22 @@ def _native_classes(ks: dict) -> dict[str, tuple[int, int]]:
     """op -> (rows, native class signature) for the ops of one step that ran natively."""
     out: dict[str, tuple[int, int]] = {}
     for op, rows, cls in zip(ks["op"], ks["rows"], ks["native_class"]):
-        if int(cls):
+        if int(cls) and op != ATTENTION:
             out.setdefault(str(op), (int(rows), int(cls)))
     return out
+
+
+def _attention_class(ks: dict) -> int:
+    sel = np.flatnonzero(np.asarray(ks["op"]) == ATTENTION)
+    return int(ks["native_class"][sel[0]]) if len(sel) else 0
+
+
+def _attention_differs(a: "StepView", b: "StepView") -> bool:
+    """Attention counts as changed unless both classes are known and equal (a batched call
+    that the probe showed bitwise equal to per-sequence calls changed nothing)."""
+    if a.kernels.get(ATTENTION) == b.kernels.get(ATTENTION):
+        return bool(a.attention_class and b.attention_class and a.attention_class != b.attention_class)
+    return not (a.attention_class and a.attention_class == b.attention_class)
 
 
 def native_class_changes(a: StepView, b: StepView) -> dict[str, tuple[int, int]]:
@@ -152,18 +167,20 @@ def step_view(trace, step: int) -> StepView:
     comp = [{"request_id": s.request_id, "phase": s.phase, "start": s.start, "count": s.count,
              "row_offset": s.row_offset} for s in plan.slices]
     ks = trace.kernels(step=step)  # read once: labels and native classes come from the same records
-    return StepView(step, plan.rows, comp, "?", _labels(ks), _native_classes(ks))
+    return StepView(step, plan.rows, comp, "?", _labels(ks), _native_classes(ks), _attention_class(ks))
 
 
 def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
     """The op whose kernel differs between the two steps (the K/V writers first): by label,
     else (both native) by probed kernel class. None when both ran natively and no linear
     op changed class: the row-count dependence is in another op (attention, norms)."""
-    ops = [o for o in b.kernels if a.kernels.get(o) != b.kernels.get(o)]
+    ops = [o for o in b.kernels if o != ATTENTION and a.kernels.get(o) != b.kernels.get(o)]
     if not ops and a.native and b.native:
         ops = list(native_class_changes(a, b))
-        if not ops:
-            return None
+    if not ops and ATTENTION in b.kernels and _attention_differs(a, b):
+        ops = [ATTENTION]
+    if not ops and a.native and b.native:
+        return None
     for o in prefer:
         if o in ops:
             return o

@@ -44,7 +44,7 @@ class ReplayReport:
 def parse_force(items) -> dict:
     """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}.
     Checks the syntax, the op names and the kernels; `check_forced` checks them against a trace."""
-    from ..core.names import OPS
+    from ..core.names import ATTENTION, ATTENTION_KERNELS, OPS
     from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy
 
     out: dict = {}
@@ -64,7 +64,14 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
         if kernel.strip().lower() == SOLO_NAME:
             raise PolicyError(f"bad --force {item!r}: solo applies to a whole step (STEP:solo), not to one op")
-        per_op[op] = UNSHARDED if kernel.strip().lower() == UNSHARDED_NAME else _kernel(item, kernel)
+        if kernel.strip().lower() == UNSHARDED_NAME:
+            per_op[op] = UNSHARDED
+            continue
+        pol = _kernel(item, kernel)
+        if (op == ATTENTION) != (pol.name in ATTENTION_KERNELS):
+            raise PolicyError(f"bad --force {item!r}: attention takes {' or '.join(ATTENTION_KERNELS)}, "
+                              f"the other ops linear kernels")
+        per_op[op] = pol
     return out
 
 
@@ -259,12 +266,16 @@ def force_like_a(a, step_a: int, b, step_b: int):
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
     the batch itself, so run each request of the step alone (SOLO), as A's did; and so
-    where A's experts ran on several kernels (one per expert's row count)."""
+    where A's experts ran on several kernels (one per expert's row count). Attention is
+    left out of the comparison: a step alone runs it per sequence, as A's did."""
+    from ..core.names import ATTENTION
     from ..core.policy import SOLO
     from .bisect import step_kernels
 
     ka = step_kernels(a, step_a)
-    if ka == step_kernels(b, step_b) or _mixed_experts(a, step_a):
+    kb = step_kernels(b, step_b)
+    same = {o: k for o, k in ka.items() if o != ATTENTION} == {o: k for o, k in kb.items() if o != ATTENTION}
+    if same or _mixed_experts(a, step_a):
         return SOLO
     return _as_a(ka, _rows_per_op(a, step_a))
 

@@ -49,7 +49,9 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """Which kernel ran one linear op of one step (layer == num_layers for lm_head)."""
+    """Which kernel ran one linear op of one step (layer == num_layers for lm_head), or
+    one layer's attention (op "attention": m = query rows, n = sequences, k = the
+    longest KV length, kv_min = the shortest)."""
 
     step: int
     model: str
@@ -66,6 +68,7 @@ class KernelChoice:
     native_class: int = 0
     # `experts` only: which expert of the layer these rows went to (-1 for every other op)
     expert: int = -1
+    kv_min: int = 0  # attention only: the shortest KV length of the step (0 for linear ops)
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,22 @@ LINEAR_OPS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 GATE = "gate"
 EXPERTS = "experts"
 MOE_OPS = (GATE, EXPERTS)
-FORCIBLE_OPS = LINEAR_OPS + MOE_OPS  # ops replay can force one by one (STEP:OP=KERNEL)
-OPS = LINEAR_OPS + MOE_OPS  # appended, never reordered: traces store their codes
+# Attention (SDPA over the paged cache) is a dispatched, recorded op too.
+ATTENTION = "attention"
+FORCIBLE_OPS = LINEAR_OPS + MOE_OPS + (ATTENTION,)  # ops replay can force one by one (STEP:OP=KERNEL)
+OPS = LINEAR_OPS + MOE_OPS + (ATTENTION,)  # appended, never reordered: traces store their codes
 
 # Kernels of the linear ops.
 NATIVE = "native"
 GEMV = "gemv"
 GEMM = "gemm"
 BATCH_INVARIANT = "batch-invariant"
-KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT)
+# Kernels of attention: each sequence its own SDPA call, or every decode / verify slice
+# of a step in one masked SDPA call over padded K/V (as batched engines do).
+PER_SEQ = "per-seq"
+BATCHED = "batched"
+ATTENTION_KERNELS = (PER_SEQ, BATCHED)
+KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT) + ATTENTION_KERNELS  # append only, as OPS
 
 # How tensor parallelism would shard a linear op (mlx-lm's shard_linear modes); None = replicated.
 ALL_TO_SHARDED = "all-to-sharded"
@@ -43,6 +50,15 @@ SHARDED_TO_ALL = "sharded-to-all"
 TP_SHARDING = {"q_proj": ALL_TO_SHARDED, "k_proj": ALL_TO_SHARDED, "v_proj": ALL_TO_SHARDED,
                "o_proj": SHARDED_TO_ALL, "gate_proj": ALL_TO_SHARDED, "up_proj": ALL_TO_SHARDED,
                "down_proj": SHARDED_TO_ALL}
+
+# Points of the forward where an optional tap sees the rows an op produced, in forward
+# order ([T, ...] in slice order; the last two see only the logit rows). Layer-level
+# points carry their layer; "norm" and "lm_head" carry num_layers.
+TAP_POINTS = (
+    "input_layernorm", "q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "q_rope", "k_rope", ATTENTION,
+    "o_proj", "attn_residual", "post_attention_layernorm", "gate_proj", "up_proj", "swiglu", "down_proj",
+    "mlp_residual", "norm", "lm_head",
+)
 
 # Schedules: serial (one request at a time), concurrent (continuous batching), and
 # warm (serial on a prefix cache pre-filled by a batched warm-up of the same prompts).

@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import PolicyError
-from .names import BATCH_INVARIANT, GEMM, GEMV, KERNELS, NATIVE  # noqa: F401  (re-exported)
+from .names import (  # noqa: F401  (re-exported)
+    ATTENTION_KERNELS, BATCH_INVARIANT, BATCHED, GEMM, GEMV, KERNELS, NATIVE, PER_SEQ,
+)
 
-POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS"
+POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS (attention: per-seq | batched)"
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ class KernelPolicy:
         if isinstance(text, KernelPolicy):
             return text
         t = str(text).strip().lower()
-        if t in (NATIVE, BATCH_INVARIANT, GEMV, GEMM):
+        if t in (NATIVE, BATCH_INVARIANT, GEMV, GEMM) or t in ATTENTION_KERNELS:
             return cls(t)
         if t.startswith("gemm:"):
             n = _int_after_colon(t)
@@ -44,9 +46,25 @@ class KernelPolicy:
         return f"gemm:{self.splits}" if self.splits else self.name
 
     def kernel_for(self, rows: int) -> str:
+        """The linear-op kernel at this row count (an attention-only policy leaves them native)."""
         if self.threshold is not None:
             return GEMV if rows <= self.threshold else GEMM
-        return self.name
+        return NATIVE if self.name in ATTENTION_KERNELS else self.name
+
+    def attention_kernel(self, decode_slices: int) -> str:
+        """The attention kernel of a step holding this many decode / verify slices.
+
+        `native`, `threshold:N` and `gemm` batch them whenever there are several: that is
+        what batched engines do, and on GPUs a masked batched SDPA takes other kernels
+        than a single sequence's. `batch-invariant` and `gemv` (one row at a time, the
+        serial shape) keep each sequence alone. Forced `batched` batches even one slice
+        (the masked call at B=1), so replay can ask whether the mask alone changes bits.
+        """
+        if self.name in (BATCH_INVARIANT, GEMV, PER_SEQ) or decode_slices < 1:
+            return PER_SEQ
+        if self.name == BATCHED:
+            return BATCHED
+        return BATCHED if decode_slices >= 2 else PER_SEQ
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""The one place that decides which kernel runs each linear op, and says so.
+"""The one place that decides which kernel runs each linear op and each attention, and says so.
 
-A `KernelPolicy` maps a row count (and shape) to a kernel. The
-`KernelDispatcher` applies it to every linear op of a step, honours per-step
-forcing (replay), and emits a `KernelChoice` event for each decision.
+A `KernelPolicy` maps a row count (and shape) to a kernel, and a step's number of
+decode slices to an attention kernel. The `KernelDispatcher` applies it to every
+linear op and every layer's attention of a step, honours per-step and per-op forcing
+(replay), and emits a `KernelChoice` event for each decision.
 
 Tensor parallelism: a LinearOp marked sharded-to-all is followed by `all_reduce(out,
 op, layer)` when one is set (None: one device, nothing to reduce); a step forced
@@ -14,11 +15,11 @@ from typing import Callable
 
 import mlx.core as mx
 
-from . import kernels
+from . import attention, kernels
 from ..core.events import KernelChoice
-from ..core.names import LINEAR_OPS, SHARDED_TO_ALL
+from ..core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
 from .kernels import LinearOp
-from .native_classes import NativeClassProbe
+from .native_classes import AttentionClassProbe, NativeClassProbe
 from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
@@ -27,7 +28,7 @@ class KernelDispatcher:
     """Runs linear ops for one model under a policy; emits KernelChoice events."""
 
     def __init__(self, policy: KernelPolicy, model: str, emit: Callable[[KernelChoice], None] | None = None,
-                 classes: NativeClassProbe | None = None):
+                 classes: NativeClassProbe | None = None, attention_classes: AttentionClassProbe | None = None):
         self.policy = policy
         self.model = model
         self.emit = emit
@@ -39,9 +40,11 @@ class KernelDispatcher:
         # class signatures of native ops, for the trace; the forward's own probe when given,
         # so signatures are measured once per model, not once per run
         self.classes = classes or NativeClassProbe()
+        self.attention_classes = attention_classes or AttentionClassProbe()
         self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
         self.all_reduce: Callable[[mx.array, LinearOp, int], mx.array] | None = None
         self.unsharded: Callable[[mx.array, LinearOp, int], mx.array] | None = None
+        self._attn_sig = 0  # class signature of this step's attention (when recording)
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -67,6 +70,39 @@ class KernelDispatcher:
     def policy_for(self, op_name: str) -> KernelPolicy:
         sp = self._step_policy
         return sp.get(op_name, self.policy) if isinstance(sp, dict) else sp
+
+    def attention_kernel(self, step: int, decode_slices: int) -> str:
+        """The attention kernel of step `step` (forcing included), without entering the
+        step: the host may prepare a step while the previous one is still being built."""
+        forced = self.forced.get(step, self.policy)
+        if isinstance(forced, (SoloStep, UnshardedStep)):
+            forced = self.policy
+        pol = forced.get(ATTENTION, self.policy) if isinstance(forced, dict) else forced
+        if not isinstance(pol, KernelPolicy):  # attention=unsharded: attention is never sharded across ranks
+            pol = self.policy
+        return pol.attention_kernel(decode_slices)
+
+    def attend(self, prep, layer: int, q: mx.array, cache, scale: float) -> mx.array:
+        """One layer's attention for the prepared step (its kernel was chosen at prepare
+        time), recorded as op `attention`: m = query rows, n = sequences, k = the longest
+        KV length, kv_min = the shortest; native_class = the kernel's probed class."""
+        out = attention.attend(prep, layer, q, cache, scale)
+        if self.emit is not None:
+            if layer == 0:
+                self._attn_sig = self._attention_signature(prep, q, cache.k[layer].shape[0])
+            T = prep.attended_rows
+            self.emit(KernelChoice(self._step, self.model, layer, ATTENTION, T, prep.kernel, T, len(prep.kv_lens),
+                                   max(prep.kv_lens), 1, self._attn_sig, kv_min=min(prep.kv_lens)))
+        return out
+
+    def _attention_signature(self, prep, q: mx.array, kv_heads: int) -> int:
+        """Class of the step's decode attention: per-seq at its query rows, or batched at
+        its batch size. 0 (no class) for steps without decode / verify slices."""
+        queries = prep.decode_queries
+        if not queries:
+            return 0
+        _, heads, _, head_dim = q.shape
+        return self.attention_classes.signature(prep.kernel, prep.batch, heads, kv_heads, head_dim, queries, q.dtype)
 
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         if op.name in self._unsharded and op.shard is not None and self.unsharded is not None:

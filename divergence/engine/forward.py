@@ -2,36 +2,39 @@
 
 Linear layers see the real row count of the step (120 prefill rows of one
 request + 4 verify rows of another = 124 rows) and go through the kernel
-dispatcher; attention runs per sequence against its own paged KV cache. The
-modules, weights and elementwise functions are mlx-lm's own, called in the same
-order as its forward, so under `native` kernels the numbers are mlx-lm's.
+dispatcher; so does attention (`per-seq` or `batched`, see attention.py). The
+host prepares the step once (prepared.py: positions, write slots, block tables,
+masks, logit rows); each layer then runs a fixed handful of MLX ops whatever the
+number of sequences. The modules, weights and elementwise functions are mlx-lm's
+own, called in the same order as its forward, so under `native` kernels at one
+sequence the numbers are mlx-lm's.
+
+An optional `tap(layer, point, rows)` sees the output of every op (core.names
+TAP_POINTS) as [T, ...] rows in step order; unset, it costs nothing.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
-from mlx_lm.models.activations import swiglu
+import mlx.nn as nn
+from mlx_lm.models import rope_utils
 
-from .dispatch import KernelDispatcher
 from ..core.events import StepPlan
+from .blocks import LayerOps, Tap, mlp_block
+from .dispatch import KernelDispatcher
 from .kernels import LinearOp
 from .kv_cache import BlockManager, PagedKVCache
 from .model import LoadedModel
-from .moe import LayerRouting, moe_block
-from .native_classes import NativeClassProbe
+from .moe import LayerRouting, moe_module
+from .native_classes import AttentionClassProbe, NativeClassProbe
+from .prepared import PreparedStep, batchable_count, prepare_step
 
-
-@dataclass
-class LayerOps:
-    q: LinearOp
-    k: LinearOp
-    v: LinearOp
-    o: LinearOp
-    gate: LinearOp | None  # None in a mixture-of-experts layer (see moe.py)
-    up: LinearOp | None
-    down: LinearOp | None
+# RoPE modules whose offset may be a vector (one position per row): one call for the
+# whole step. Others (dynamic NTK scaling reads the offset as a number) go slice by slice.
+_VECTOR_ROPE = tuple(c for c in (nn.RoPE, getattr(rope_utils, "Llama3RoPE", None),
+                                 getattr(rope_utils, "YarnRoPE", None), getattr(rope_utils, "SuScaledRoPE", None))
+                     if c is not None)
 
 
 @dataclass
@@ -51,15 +54,10 @@ class PackedForward:
         self.loaded = loaded
         self.inner = lm.model
         self.blocks = list(lm.layers)
-        self.ops = []
-        self.moe = [moe_block(layer, loaded.config.get("model_type")) for layer in self.blocks]
-        for layer, moe in zip(self.blocks, self.moe):
-            a = layer.self_attn
-            mlp = (LinearOp.from_module(n, getattr(layer.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj"))
-            self.ops.append(
-                LayerOps(*(LinearOp.from_module(n, getattr(a, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
-                         *((None, None, None) if moe else mlp))
-            )
+        model_type = loaded.config.get("model_type")
+        self.ops = [LayerOps.from_layer(layer, dense=moe_module(layer) is None) for layer in self.blocks]
+        self.mlps = [mlp_block(layer, ops, model_type) for layer, ops in zip(self.blocks, self.ops)]
+        self.moe = [m if m.kind == "moe" else None for m in self.mlps]  # MoeBlock per layer, None if dense
         if getattr(lm.args, "tie_word_embeddings", False) or not hasattr(lm, "lm_head"):
             self.head = LinearOp.from_module("lm_head", self.inner.embed_tokens, tied_embedding=True)
         else:
@@ -71,81 +69,98 @@ class PackedForward:
         self.head_dim = self.ops[0].q.n // self.n_heads
         self.scale = attn0.scale
         self.has_qk_norm = hasattr(attn0, "q_norm")
+        self.vector_rope = all(isinstance(layer.self_attn.rope, _VECTOR_ROPE) for layer in self.blocks)
         self.dtype = self.inner.norm.weight.dtype
-        self.native_classes = NativeClassProbe()  # memo of the native ops' class signatures
+        # memos of the native kernels' class signatures, shared by every run of this forward
+        self.native_classes = NativeClassProbe()
+        self.attention_classes = AttentionClassProbe()
 
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
 
+    def layer_linear_ops(self, layer: int) -> tuple[LinearOp, ...]:
+        """Every dispatched linear op of a layer, in forward order (a MoE layer's router gate last)."""
+        moe = self.moe[layer]
+        return self.ops[layer].linear_ops() + ((moe.gate,) if moe is not None else ())
+
     def make_cache(self, num_blocks: int, block_size: int) -> PagedKVCache:
         return PagedKVCache(self.num_layers, num_blocks, block_size, self.n_kv_heads, self.head_dim, self.dtype)
 
-    def __call__(
-        self,
-        plan: StepPlan,
-        cache: PagedKVCache,
-        blocks: BlockManager,
-        dispatch: KernelDispatcher,
-        *,
-        keep_kv: bool = False,
-        keep_routing: bool = False,
-    ) -> StepOutput:
-        dispatch.begin_step(plan.index)
-        tokens = mx.array(np.concatenate([np.asarray(s.tokens, dtype=np.int32) for s in plan.slices]))
-        # Slot indices per slice: where its new rows go, and all positions it reads.
-        write_slots, read_slots = [], []
-        for s in plan.slices:
-            all_slots = blocks.slots(s.request_id, 0, s.start + s.count)
-            write_slots.append(mx.array(all_slots[s.start :]))
-            read_slots.append(mx.array(all_slots))
+    def prepare(self, plan: StepPlan, blocks: BlockManager, dispatch: KernelDispatcher) -> PreparedStep:
+        """Host side of a step (no MLX compute): safe to run while another step computes."""
+        return prepare_step(plan, blocks, dispatch.attention_kernel(plan.index, batchable_count(plan)))
+
+    def __call__(self, plan: StepPlan, cache: PagedKVCache, blocks: BlockManager, dispatch: KernelDispatcher, *,
+                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:
+        return self.execute(self.prepare(plan, blocks, dispatch), cache, dispatch, keep_kv=keep_kv,
+                            keep_routing=keep_routing, tap=tap)
+
+    def execute(self, prep: PreparedStep, cache: PagedKVCache, dispatch: KernelDispatcher, *,
+                keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:
+        """Build the step's graph (lazy): logits of the logit rows, K/V written in place."""
+        dispatch.begin_step(prep.plan.index)
+        T, H, KV, hd = prep.rows, self.n_heads, self.n_kv_heads, self.head_dim
         k_layers, v_layers = [], []
         routing = [] if keep_routing else None
-        h = self.inner.embed_tokens(tokens)
-        for li, (layer, ops) in enumerate(zip(self.blocks, self.ops)):
-            attn = layer.self_attn
+        h = self.inner.embed_tokens(prep.tokens)
+        for li, layer in enumerate(self.blocks):
+            attn, ops = layer.self_attn, self.ops[li]
             x = layer.input_layernorm(h)
-            q_all, k_all, v_all = dispatch(x, ops.q, li), dispatch(x, ops.k, li), dispatch(x, ops.v, li)
-            outs, ks, vs = [], [], []
-            for si, s in enumerate(plan.slices):
-                r0, n = s.row_offset, s.count
-                q = q_all[r0 : r0 + n].reshape(1, n, self.n_heads, -1)
-                k = k_all[r0 : r0 + n].reshape(1, n, self.n_kv_heads, -1)
-                v = v_all[r0 : r0 + n].reshape(1, n, self.n_kv_heads, -1)
-                if self.has_qk_norm:
-                    q, k = attn.q_norm(q), attn.k_norm(k)
-                q = attn.rope(q.transpose(0, 2, 1, 3), offset=s.start)
-                k = attn.rope(k.transpose(0, 2, 1, 3), offset=s.start)
-                k_rows = k[0].transpose(1, 0, 2)  # [n, kv_heads, head_dim] as cached
-                v_rows = v[0]
-                cache.write(li, write_slots[si], k_rows, v_rows)
-                if keep_kv:
-                    ks.append(k_rows)
-                    vs.append(v_rows)
-                keys, values = cache.read(li, read_slots[si])
-                keys = keys.transpose(1, 0, 2)[None]
-                values = values.transpose(1, 0, 2)[None]
-                o = mx.fast.scaled_dot_product_attention(
-                    q, keys, values, scale=self.scale, mask="causal" if n > 1 else None
-                )
-                outs.append(o.transpose(0, 2, 1, 3).reshape(n, -1))
+            q, k, v = dispatch(x, ops.q, li), dispatch(x, ops.k, li), dispatch(x, ops.v, li)
+            if tap is not None:
+                tap(li, "input_layernorm", x)
+                tap(li, "q_proj", q)
+                tap(li, "k_proj", k)
+                tap(li, "v_proj", v)
+            q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
+            if self.has_qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+                if tap is not None:
+                    tap(li, "q_norm", q)
+                    tap(li, "k_norm", k)
+            q, k = self._rope(attn.rope, q, prep), self._rope(attn.rope, k, prep)  # [T, heads, 1, hd]
+            k = k.reshape(T, KV, hd)
+            if tap is not None:
+                tap(li, "q_rope", q.reshape(T, H, hd))
+                tap(li, "k_rope", k)
+            cache.write(li, prep.write_slots, k, v)
             if keep_kv:
-                k_layers.append(ks[0] if len(ks) == 1 else mx.concatenate(ks, axis=0))
-                v_layers.append(vs[0] if len(vs) == 1 else mx.concatenate(vs, axis=0))
-            a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
-            h = h + dispatch(a, ops.o, li)
+                k_layers.append(k)
+                v_layers.append(v)
+            a = dispatch.attend(prep, li, q, cache, self.scale)
+            o = dispatch(a, ops.o, li)
+            h = h + o
+            if tap is not None:
+                tap(li, "attention", a)
+                tap(li, "o_proj", o)
+                tap(li, "attn_residual", h)
             x = layer.post_attention_layernorm(h)
-            if self.moe[li] is not None:
-                h = h + self.moe[li](x, dispatch, li, routing)
-                continue
-            g, u = dispatch(x, ops.gate, li), dispatch(x, ops.up, li)
-            h = h + dispatch(swiglu(g, u), ops.down, li)
-        rows = [s.row_offset + r for s in plan.slices for r in s.logit_rows]
-        if rows:
-            hl = h[mx.array(np.asarray(rows, dtype=np.int32))]
-            logits = dispatch(self.inner.norm(hl), self.head, self.num_layers)
+            if tap is not None:
+                tap(li, "post_attention_layernorm", x)
+            h = h + self.mlps[li](x, dispatch, li, routing, tap=tap)
+            if tap is not None:
+                tap(li, "mlp_residual", h)
+        if prep.logit_rows:
+            hl = h if prep.logit_index is None else h[prep.logit_index]
+            xn = self.inner.norm(hl)
+            logits = dispatch(xn, self.head, self.num_layers)
+            if tap is not None:
+                tap(self.num_layers, "norm", xn)
+                tap(self.num_layers, "lm_head", logits)
         else:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
         if keep_kv:
             return StepOutput(logits, mx.stack(k_layers), mx.stack(v_layers), routing)
         return StepOutput(logits, routing=routing)
+
+    def _rope(self, rope, x: mx.array, prep: PreparedStep) -> mx.array:
+        """[T, heads, hd] -> [T, heads, 1, hd] at each row's own position."""
+        T, n, hd = x.shape
+        if self.vector_rope:
+            return rope(x.reshape(T, n, 1, hd), offset=prep.positions)
+        parts = []
+        for s in prep.plan.slices:  # one call per slice, the offset a number
+            xs = x[s.row_offset : s.row_offset + s.count].transpose(1, 0, 2)[None]
+            parts.append(rope(xs, offset=s.start)[0].transpose(1, 0, 2)[:, :, None])
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)

@@ -2,9 +2,9 @@
 
 `BlockManager` owns which blocks belong to which request (and, with prefix
 caching on, which full blocks hold which token prefix). `PagedKVCache` owns the
-memory: per layer one pool of [num_blocks * block_size, kv_heads, head_dim]
-that writes scatter into (MLX donates the buffer: no whole-cache copy) and
-reads gather from.
+memory: per layer one head-major pool of [kv_heads, num_blocks * block_size,
+head_dim] that one scatter per step writes into (MLX donates the buffer: no
+whole-cache copy) and reads gather from block by block.
 """
 from __future__ import annotations
 
@@ -137,21 +137,56 @@ class BlockManager:
 
 
 class PagedKVCache:
-    """K/V memory of one model: a pool per layer, addressed by flat slot indices."""
+    """K/V memory of one model: a pool per layer, stored head-major [kv_heads, slots,
+    head_dim] (slot = block * block_size + offset), so a sequence's K/V are read whole
+    blocks at a time and come out already in SDPA's [kv_heads, L, head_dim] layout
+    (measured: 1.65x at 1.5k context over gathering [L, kv_heads, head_dim] position by
+    position and transposing)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype):
-        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (kv_heads, num_blocks * block_size, head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self._heads = mx.arange(kv_heads)[None, :, None]  # broadcast index for batched block reads
         mx.eval(self.k, self.v)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
-        """k, v: [n, kv_heads, head_dim] for the n positions at `slots` (in place)."""
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
+        """k, v: [n, kv_heads, head_dim] for the n positions at `slots`: one scatter per
+        pool, in place (MLX donates the buffer: no whole-cache copy)."""
+        self.k[layer][:, slots] = k.swapaxes(0, 1)
+        self.v[layer][:, slots] = v.swapaxes(0, 1)
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
-        return self.k[layer][slots], self.v[layer][slots]
+        """[n, kv_heads, head_dim] at `slots` (position by position; tests and tools)."""
+        return self.k[layer][:, slots].swapaxes(0, 1), self.v[layer][:, slots].swapaxes(0, 1)
+
+    def _blocks(self, pool: mx.array) -> mx.array:
+        kv, _, hd = pool.shape
+        return pool.reshape(kv, self.num_blocks, self.block_size, hd)
+
+    def gather(self, layer: int, table: mx.array, length: int) -> tuple[mx.array, mx.array]:
+        """One sequence's first `length` positions, [1, kv_heads, length, head_dim], read by
+        block (`table`: its block ids, at least ceil(length / block_size) of them)."""
+        out = []
+        for pool in (self.k[layer], self.v[layer]):
+            kv, _, hd = pool.shape
+            g = self._blocks(pool)[:, table].reshape(1, kv, -1, hd)
+            out.append(g if g.shape[2] == length else g[:, :, :length])
+        return out[0], out[1]
+
+    def gather_batch(self, layer: int, tables: mx.array, length: int) -> tuple[mx.array, mx.array]:
+        """Several sequences at once, [B, kv_heads, length, head_dim]: `tables` [B, nb] of
+        block ids (rows padded with any valid block), positions past a sequence's own
+        length are someone else's or stale, and must be masked by the caller."""
+        out = []
+        for pool in (self.k[layer], self.v[layer]):
+            kv, _, hd = pool.shape
+            g = self._blocks(pool)[self._heads, tables[:, None, :]]  # [B, kv, nb, bs, hd]
+            g = g.reshape(g.shape[0], kv, -1, hd)
+            out.append(g if g.shape[2] == length else g[:, :, :length])
+        return out[0], out[1]
 
     def arrays(self) -> list[mx.array]:
         return self.k + self.v

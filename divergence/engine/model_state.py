@@ -8,7 +8,9 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
+from ..core.hashing import hash_rows
 from ..core.policy import KernelPolicy
+from .bits import raw_rows
 from .dispatch import KernelDispatcher
 from ..core.events import KvWrite, StepPlan
 from .forward import PackedForward, StepOutput
@@ -27,7 +29,8 @@ class ModelState:
         self.name = name
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = forward.make_cache(num_blocks, block_size)
-        self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes)
+        self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes, forward.attention_classes)
+        self.tap = None  # optional per-op output tap for every forward of this state (see forward.py)
         if getattr(forward, "tp", None) is not None:  # tensor parallel: all-reduce, unsharded replay
             from .tp import attach
 
@@ -46,12 +49,12 @@ class ModelState:
         outputs are joined in slice order."""
         if not (self.dispatch.solo(plan.index) and len(plan.slices) > 1):
             return self.forward(plan, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv,
-                                keep_routing=keep_routing)
+                                keep_routing=keep_routing, tap=self.tap)
         parts = []
         for s in plan.slices:
             alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
             out = self.forward(alone, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv,
-                               keep_routing=keep_routing)
+                               keep_routing=keep_routing, tap=self.tap)
             mx.eval(out.logits, *((out.k_written, out.v_written) if keep_kv else ()), *self.cache.arrays(),
                     *(a for r in out.routing or () for a in r.arrays()))
             parts.append(out)
@@ -67,11 +70,8 @@ def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWr
     """The step's KV writes, one per (slice, layer), with per-position hashes of the
     exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order. Hashed
     for the whole step at once (per slice was measurably slower)."""
-    from ..core.hashing import hash_rows
-
-    layers, rows = k.shape[0], k.shape[1]
-    kh = hash_rows(raw_bytes(k.reshape(layers * rows, -1))).reshape(layers, rows)
-    vh = hash_rows(raw_bytes(v.reshape(layers * rows, -1))).reshape(layers, rows)
+    kh, vh = kv_hashes(k, v)
+    layers = k.shape[0]
     out = []
     for s in plan.slices:
         r0, r1 = s.row_offset, s.row_offset + s.count
@@ -81,7 +81,10 @@ def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWr
     return out
 
 
-def raw_bytes(a: mx.array) -> np.ndarray:
-    """[n, ...] array -> numpy rows holding the exact stored bytes (bf16 included)."""
-    width = {2: mx.uint16, 4: mx.uint32, 1: mx.uint8}[a.dtype.size]
-    return np.array(a.view(width)).reshape(a.shape[0], -1)
+def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads),
+    for a whole step in one call; k, v: [layers, T, kv_heads, head_dim]."""
+    layers, rows = k.shape[0], k.shape[1]
+    kh = hash_rows(raw_rows(k.reshape(layers * rows, -1))).reshape(layers, rows)
+    vh = hash_rows(raw_rows(v.reshape(layers * rows, -1))).reshape(layers, rows)
+    return kh, vh

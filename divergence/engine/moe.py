@@ -62,6 +62,8 @@ def moe_block(layer, model_type: str):
 class MoeBlock:
     """mlx-lm's Qwen3MoeSparseMoeBlock / MixtralSparseMoeBlock with dispatched ops."""
 
+    kind = "moe"
+
     def __init__(self, module, routing: str):
         self.module = module
         self.routing = routing
@@ -86,8 +88,10 @@ class MoeBlock:
         scores = mx.softmax(scores, axis=-1, precise=True)
         return inds, scores, logits
 
-    def __call__(self, x: mx.array, dispatch, layer: int, sink: list | None = None) -> mx.array:
+    def __call__(self, x: mx.array, dispatch, layer: int, sink: list | None = None, *, tap=None) -> mx.array:
         logits = dispatch(x, self.gate, layer)
+        if tap is not None:
+            tap(layer, GATE, logits)
         inds, scores, ranked = self.route(logits)
         y = run_experts(x, inds, self.experts, dispatch, layer)
         if sink is not None:
@@ -110,7 +114,7 @@ def merge_routing(parts: list[list[LayerRouting]]) -> list[LayerRouting]:
 def routing_events(plan: StepPlan, model: str, routing: list[LayerRouting]) -> list[Routing]:
     """One Routing event per (slice, MoE layer), values exact (float32 holds bf16/fp16 exactly)."""
     from ..core.hashing import hash_rows
-    from .model_state import raw_bytes
+    from .bits import raw_rows
 
     out = []
     for rec in routing:
@@ -123,7 +127,7 @@ def routing_events(plan: StepPlan, model: str, routing: list[LayerRouting]) -> l
         runner = np.argmax(masked, axis=1).astype(np.int32) if ranked.shape[1] > k else np.full(t, -1, np.int32)
         runner_score = (masked[np.arange(t), runner] if ranked.shape[1] > k
                         else np.full(t, np.nan, np.float32)).astype(np.float32)
-        hashes = hash_rows(raw_bytes(rec.gate_input))
+        hashes = hash_rows(raw_rows(rec.gate_input))
         for s in plan.slices:
             r0, r1 = s.row_offset, s.row_offset + s.count
             out.append(Routing(plan.index, model, s.request_id, rec.layer, s.start, s.count, experts[r0:r1],

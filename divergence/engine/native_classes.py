@@ -22,18 +22,14 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from . import kernels
+from ..core.names import BATCHED, PER_SEQ
+from . import attention, kernels
+from .bits import raw_bits
 from .kernels import LinearOp
 
 PROBE_ROWS = 32  # rows whose outputs make the signature
 PROBE_POOL_ROWS = 64  # distinct random input rows, tiled for calls of more rows
 PROBE_SEED = 7
-
-
-def bits(a: mx.array) -> np.ndarray:
-    """The raw bits of an array as unsigned integers of its width."""
-    width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
-    return np.array(a.view(width))
 
 
 class NativeClassProbe:
@@ -60,7 +56,7 @@ class NativeClassProbe:
             idx = (np.arange(done, done + m) % PROBE_POOL_ROWS).astype(np.int32)
             y = run(pool[mx.array(idx)], op)[: PROBE_ROWS - done]
             mx.eval(y)
-            outs.append(bits(y))
+            outs.append(raw_bits(y))
             done += y.shape[0]
         return np.concatenate(outs, axis=0)
 
@@ -77,3 +73,76 @@ class NativeClassProbe:
         """Class per row count: 0 = the one-row class, then 1, 2, ... in order of appearance."""
         ids = {self.signature(op, 1, dtype): 0}
         return [ids.setdefault(self.signature(op, m, dtype), len(ids)) for m in rows]
+
+
+# Attention: probe sequences of these KV lengths (one shared K/V pool), each with Q query rows.
+ATTN_PROBE_LENS = (5, 17, 33, 64, 9, 48, 2, 27)
+LAYOUTS = ("right", "left")  # padding side of a batched call: the engine's, mlx-lm BatchGenerator's
+
+
+class AttentionClassProbe:
+    """Class signatures of the attention kernels, like NativeClassProbe's for linear ops:
+    the bits of every probe sequence's output, computed alone (`per-seq`) or in masked
+    calls of B sequences each (`batched`). A batched signature equal to the per-seq one
+    means that batch computes every probe row as the sequences alone do."""
+
+    def __init__(self):
+        self._sig: dict[tuple, int] = {}
+        self._data: dict[tuple, tuple] = {}
+
+    def _inputs(self, heads: int, kv_heads: int, head_dim: int, queries: int, dtype):
+        key = (heads, kv_heads, head_dim, queries, str(dtype))
+        if key not in self._data:
+            P, L = len(ATTN_PROBE_LENS), max(ATTN_PROBE_LENS) + queries
+            r = mx.random
+            k = r.normal((P, kv_heads, L, head_dim), key=r.key(PROBE_SEED + 1)).astype(dtype)
+            v = r.normal((P, kv_heads, L, head_dim), key=r.key(PROBE_SEED + 2)).astype(dtype)
+            q = r.normal((P, heads, queries, head_dim), key=r.key(PROBE_SEED + 3)).astype(dtype)
+            self._data[key] = (q, k, v, [n + queries for n in ATTN_PROBE_LENS])
+        return self._data[key]
+
+    def outputs(self, kernel: str, batch: int, heads: int, kv_heads: int, head_dim: int, queries: int, dtype,
+                *, layout: str = "right") -> np.ndarray:
+        """Bits of every probe sequence's [heads, Q, head_dim] output under `kernel`."""
+        q, k, v, lens = self._inputs(heads, kv_heads, head_dim, queries, dtype)
+        P, scale = len(lens), head_dim ** -0.5
+        outs = []
+        if kernel == PER_SEQ:
+            for i, n in enumerate(lens):
+                o = attention.run_per_seq(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], scale)
+                outs.append(raw_bits(o))
+            return np.concatenate(outs)
+        assert kernel == BATCHED and layout in LAYOUTS
+        done = 0
+        while done < P:
+            idx = [(done + j) % P for j in range(batch)]
+            L = max(lens[i] for i in idx)
+            ks, vs, mask = [], [], np.zeros((batch, 1, queries, L), dtype=bool)
+            for b, i in enumerate(idx):
+                n, pad = lens[i], L - lens[i]
+                lo = pad if layout == "left" else 0
+                z = mx.zeros((1, kv_heads, pad, head_dim), dtype=q.dtype)
+                parts = [k[i : i + 1, :, :n], z] if layout == "right" else [z, k[i : i + 1, :, :n]]
+                ks.append(mx.concatenate(parts, axis=2) if pad else parts[0 if layout == "right" else 1])
+                parts = [v[i : i + 1, :, :n], z] if layout == "right" else [z, v[i : i + 1, :, :n]]
+                vs.append(mx.concatenate(parts, axis=2) if pad else parts[0 if layout == "right" else 1])
+                keys = np.arange(L) - lo  # position of each key within the sequence
+                qpos = n - queries + np.arange(queries)
+                mask[b, 0] = (keys[None, :] >= 0) & (keys[None, :] <= qpos[:, None])
+            qb = q[mx.array(np.asarray(idx, dtype=np.int32))]
+            o = attention.run_batched(qb, mx.concatenate(ks), mx.concatenate(vs), mx.array(mask), scale)
+            take = min(batch, P - done)
+            outs.append(raw_bits(o[:take]))
+            done += take
+        return np.concatenate(outs)
+
+    def signature(self, kernel: str, batch: int, heads: int, kv_heads: int, head_dim: int, queries: int,
+                  dtype, *, layout: str = "right") -> int:
+        key = (kernel, batch if kernel == BATCHED else 0, heads, kv_heads, head_dim, queries, str(dtype), layout)
+        sig = self._sig.get(key)
+        if sig is None:
+            out = np.ascontiguousarray(self.outputs(kernel, batch, heads, kv_heads, head_dim, queries, dtype,
+                                                    layout=layout))
+            sig = xxhash.xxh3_64_intdigest(out.tobytes()) or 1
+            self._sig[key] = sig
+        return sig

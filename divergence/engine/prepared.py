@@ -1,0 +1,162 @@
+"""A step prepared once on the host: every index array the forward consumes.
+
+The row layout of a step is decided here and nowhere else: slices sit one after the
+other in plan order (slice i's rows start where slice i-1's end; the plan's
+`row_offset`s must say so), every row's RoPE position is its sequence position, its
+K/V go to the slot its block table gives, and attention reads each slice's first
+`start + count` positions. The forward then runs the same ~20 MLX ops per layer
+whatever the number of sequences: one RoPE call per q/k with per-row offsets, one
+scatter per pool for every slice's K/V, and one SDPA call per attention group.
+
+Attention groups: under the `batched` kernel every decode / verify / draft slice of
+up to BATCH_MAX_QUERY rows goes into one masked SDPA call over block-gathered K/V,
+right-padded to the longest; prefill slices (and everything under `per-seq`) get
+one SDPA call each, exactly as a single-sequence engine (mlx-lm's generate_step)
+makes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.events import PREFILL, StepPlan
+from ..core.names import BATCHED, PER_SEQ
+from .kv_cache import BlockManager
+
+BATCH_MAX_QUERY = 16  # longest non-prefill slice that joins the batched call (a verify is spec_k + 1)
+
+
+def batchable(s) -> bool:
+    """Does this slice join the step's batched attention call?"""
+    return s.phase != PREFILL and s.count <= BATCH_MAX_QUERY
+
+
+def batchable_count(plan: StepPlan) -> int:
+    return sum(1 for s in plan.slices if batchable(s))
+
+
+@dataclass
+class SeqAttention:
+    """One slice, its own SDPA call: rows [row, row + count) of the step."""
+
+    row: int
+    count: int
+    length: int  # KV positions read: start + count
+    table: mx.array  # [ceil(length / block_size)] block ids
+
+
+@dataclass
+class BatchedAttention:
+    """Several slices in one SDPA call: [B, heads, Q, head_dim] queries, K/V [B, kv, L, hd]."""
+
+    slices: tuple[int, ...]  # plan slice indices, in plan order
+    queries: int  # Q: rows per slice, padded to the longest
+    length: int  # L: the longest KV length
+    tables: mx.array  # [B, nb] block ids (short rows padded with a valid block)
+    mask: mx.array  # bool [B, 1, Q, L]: causal within each slice, nothing past its length
+    q_index: mx.array | None  # [B * Q] step rows to gather; None when the rows are [row0, row0 + B) (Q = 1)
+    row0: int
+    out_index: mx.array | None  # [rows] real rows of the [B * Q] output; None when no slice is padded
+
+
+@dataclass
+class PreparedStep:
+    plan: StepPlan
+    rows: int  # T
+    tokens: mx.array  # int32 [T]
+    positions: mx.array  # int32 [T]: RoPE offset of each row
+    write_slots: mx.array  # int32 [T]: pool slot each row's K/V go to
+    logit_index: mx.array | None  # int32 [R] rows whose logits are needed; None = all rows, in order
+    logit_rows: int  # R
+    groups: list  # SeqAttention | BatchedAttention, in execution order
+    out_perm: mx.array | None  # attention rows in group order -> step order; None = already in order
+    kernel: str  # PER_SEQ | BATCHED: the step's attention kernel
+    kv_lens: tuple[int, ...]  # per slice, in plan order
+    attended_rows: int  # query rows across all groups (= T)
+    batch: int  # slices in the batched call (0 under per-seq)
+    decode_queries: int  # rows of the longest decode / verify slice (0: prefill only)
+
+    @property
+    def slice_lengths(self) -> list[int]:
+        return [s.start + s.count for s in self.plan.slices]
+
+
+def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
+    """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED)."""
+    bs = blocks.block_size
+    toks, pos, slots, logit = [], [], [], []
+    row = 0
+    tables = []
+    for s in plan.slices:
+        assert s.row_offset == row, f"slice {s.request_id} starts at row {s.row_offset}, expected {row}"
+        assert len(s.tokens) == s.count
+        end = s.start + s.count
+        table = np.asarray(blocks.tables[s.request_id][: -(-end // bs)], dtype=np.int32)
+        tables.append(table)
+        p = np.arange(s.start, end, dtype=np.int32)
+        pos.append(p)
+        slots.append(table[p // bs] * bs + p % bs)
+        toks.append(np.asarray(s.tokens, dtype=np.int32))
+        logit.extend(row + r for r in s.logit_rows)
+        row += s.count
+    T = row
+    cat = (lambda xs: np.concatenate(xs)) if len(plan.slices) != 1 else (lambda xs: xs[0])
+    logit_np = np.asarray(logit, dtype=np.int32)
+    identity_logits = len(logit_np) == T and np.array_equal(logit_np, np.arange(T))
+    kv_lens = tuple(s.start + s.count for s in plan.slices)
+
+    groups, order = [], []  # order: step rows in the order the groups produce them
+    batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
+    if batch:
+        groups.append(_batched(plan, batch, tables, bs))
+        for i in batch:
+            s = plan.slices[i]
+            order.extend(range(s.row_offset, s.row_offset + s.count))
+    in_batch = set(batch)
+    for i, s in enumerate(plan.slices):
+        if i not in in_batch:
+            groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(tables[i])))
+            order.extend(range(s.row_offset, s.row_offset + s.count))
+    perm = None
+    if order != list(range(T)):
+        perm = mx.array(np.argsort(np.asarray(order, dtype=np.int32)).astype(np.int32))
+    return PreparedStep(
+        plan=plan, rows=T, tokens=mx.array(cat(toks)), positions=mx.array(cat(pos)),
+        write_slots=mx.array(cat(slots).astype(np.int32)),
+        logit_index=None if identity_logits else mx.array(logit_np), logit_rows=len(logit_np),
+        groups=groups, out_perm=perm, kernel=BATCHED if batch else PER_SEQ, kv_lens=kv_lens,
+        attended_rows=T, batch=len(batch),
+        decode_queries=max((s.count for s in plan.slices if batchable(s)), default=0),
+    )
+
+
+def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int) -> BatchedAttention:
+    sl = [plan.slices[i] for i in idx]
+    B = len(sl)
+    Q = max(s.count for s in sl)
+    L = max(s.start + s.count for s in sl)
+    nb = -(-L // bs)
+    tab = np.empty((B, nb), dtype=np.int32)
+    mask = np.zeros((B, 1, Q, L), dtype=bool)
+    q_index = np.empty((B, Q), dtype=np.int32)
+    keys = np.arange(L)
+    out_rows = []
+    for b, (i, s) in enumerate(zip(idx, sl)):
+        t = tables[i]
+        tab[b, : len(t)] = t
+        tab[b, len(t):] = t[0]  # any valid block: masked out
+        q = np.minimum(np.arange(Q), s.count - 1)  # padded query rows repeat the last real one
+        q_index[b] = s.row_offset + q
+        # query row q sits at position start + q and sees every position up to it
+        mask[b, 0] = keys[None, :] <= (s.start + q)[:, None]
+        out_rows.extend(b * Q + r for r in range(s.count))
+    rows = [r for s in sl for r in range(s.row_offset, s.row_offset + s.count)]
+    contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
+    ragged = len(out_rows) != B * Q
+    return BatchedAttention(
+        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=mx.array(mask),
+        q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
+        out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
+    )

@@ -1,0 +1,188 @@
+"""Attention as a dispatched op: `per-seq` and `batched` against a float64 numpy
+reference, bitwise against each other where this CPU makes them equal, chosen and
+recorded by the policy, forcible per step."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from divergence.core.events import DECODE, PREFILL, VERIFY, Observer, SeqSlice, StepPlan
+from divergence.core.policy import KernelPolicy
+from divergence.core.request import Request
+from divergence.engine import attention
+from divergence.engine.dispatch import KernelDispatcher
+from divergence.engine.engine import Engine
+from divergence.engine.kv_cache import BlockManager, PagedKVCache
+from divergence.engine.prepared import prepare_step
+
+H, KV, HD, BS = 4, 2, 32, 16
+ON_CPU = mx.default_device() == mx.cpu
+
+
+def _step(slices_spec, dtype, seed=0):
+    """A cache holding random K/V for each sequence, a plan of the given slices
+    (phase, start, count), and random queries for the step's rows."""
+    rng = np.random.default_rng(seed)
+    blocks = BlockManager(64, BS)
+    cache = PagedKVCache(1, 64, BS, KV, HD, dtype)
+    slices, row = [], 0
+    ks, vs = {}, {}
+    for i, (phase, start, count) in enumerate(slices_spec):
+        rid = f"r{i}"
+        end = start + count
+        blocks.allocate(rid, end + 5)
+        k = rng.standard_normal((end, KV, HD)).astype(np.float32)
+        v = rng.standard_normal((end, KV, HD)).astype(np.float32)
+        cache.write(0, mx.array(blocks.slots(rid, 0, end)), mx.array(k).astype(dtype), mx.array(v).astype(dtype))
+        ks[rid], vs[rid] = k, v
+        slices.append(SeqSlice(rid, phase, start, count, row, tuple(range(count)), tuple(range(count))))
+        row += count
+    q = mx.array(rng.standard_normal((row, H, 1, HD)).astype(np.float32)).astype(dtype)
+    mx.eval(cache.arrays())
+    return StepPlan(0, "target", tuple(slices)), blocks, cache, q
+
+
+def _reference(plan, blocks, cache, q):
+    """float64 attention of every row over its own sequence's cached K/V."""
+    out = []
+    qn = np.asarray(q.astype(mx.float32), np.float64)[:, :, 0]
+    for s in plan.slices:
+        k, v = cache.read(0, mx.array(blocks.slots(s.request_id, 0, s.start + s.count)))
+        k = np.asarray(k.astype(mx.float32), np.float64)
+        v = np.asarray(v.astype(mx.float32), np.float64)
+        for r in range(s.count):
+            L = s.start + r + 1
+            qr = qn[s.row_offset + r]  # [H, HD]
+            kk = np.repeat(k[:L], H // KV, axis=1)  # [L, H, HD]
+            vv = np.repeat(v[:L], H // KV, axis=1)
+            sc = np.einsum("hd,lhd->hl", qr, kk) * HD ** -0.5
+            p = np.exp(sc - sc.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            out.append(np.einsum("hl,lhd->hd", p, vv).reshape(-1))
+    return np.stack(out)
+
+
+def _run(kernel, plan, blocks, cache, q):
+    prep = prepare_step(plan, blocks, kernel)
+    out = attention.attend(prep, 0, q, cache, HD ** -0.5)
+    mx.eval(out)
+    return prep, out
+
+
+def _bits(a):
+    return np.asarray(a.view(mx.uint16 if a.dtype.size == 2 else mx.uint32))
+
+
+DECODES = [(DECODE, 4, 1), (DECODE, 40, 1), (DECODE, 17, 1), (DECODE, 0, 1), (DECODE, 63, 1)]
+VERIFIES = [(VERIFY, 9, 4), (VERIFY, 30, 4), (VERIFY, 2, 3), (DECODE, 50, 1)]
+MIXED = [(DECODE, 21, 1), (PREFILL, 0, 12), (VERIFY, 33, 4), (PREFILL, 16, 9), (DECODE, 5, 1)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("spec", [DECODES, VERIFIES, MIXED], ids=["decode", "verify", "mixed"])
+def test_both_kernels_match_a_float64_reference(dtype, spec):
+    plan, blocks, cache, q = _step(spec, dtype)
+    ref = _reference(plan, blocks, cache, q)
+    tol = 1e-5 if dtype == mx.float32 else 3e-2  # bf16 keeps 8 bits of mantissa
+    for kernel in ("per-seq", "batched"):
+        prep, out = _run(kernel, plan, blocks, cache, q)
+        assert prep.kernel == kernel
+        got = np.asarray(out.astype(mx.float32), np.float64)
+        assert got.shape == ref.shape
+        err = np.abs(got - ref).max()
+        assert err <= tol * max(1.0, np.abs(ref).max()), (kernel, err)
+
+
+@pytest.mark.skipif(not ON_CPU, reason="bitwise equality of the two kernels is a fact of MLX's CPU backend")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_batched_decode_equals_per_seq_bitwise_on_cpu(dtype):
+    # one-row queries: a left- or right-padded masked SDPA gives the per-sequence bits (fp32 and bf16)
+    for spec in (DECODES, MIXED if dtype == mx.bfloat16 else [s for s in MIXED if s[0] != VERIFY]):
+        plan, blocks, cache, q = _step(spec, dtype, seed=3)
+        _, a = _run("per-seq", plan, blocks, cache, q)
+        _, b = _run("batched", plan, blocks, cache, q)
+        assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_batched_groups_every_decode_slice_in_one_call():
+    plan, blocks, _, _ = _step(MIXED, mx.float32)
+    prep = prepare_step(plan, blocks, "batched")
+    assert prep.batch == 3 and prep.kernel == "batched"
+    kinds = [type(g).__name__ for g in prep.groups]
+    assert kinds == ["BatchedAttention", "SeqAttention", "SeqAttention"]
+    assert prep.groups[0].queries == 4 and prep.groups[0].length == 37
+    assert prep.out_perm is not None  # rows come back in the step's order
+    assert prepare_step(plan, blocks, "per-seq").groups[0].__class__.__name__ == "SeqAttention"
+
+
+@pytest.mark.parametrize("policy,decodes,kernel", [
+    ("native", 1, "per-seq"), ("native", 2, "batched"), ("native", 0, "per-seq"),
+    ("threshold:4", 8, "batched"), ("gemm", 3, "batched"),
+    ("batch-invariant", 8, "per-seq"), ("gemv", 8, "per-seq"),
+    ("per-seq", 8, "per-seq"), ("batched", 1, "batched"),
+])
+def test_policy_attention_kernel(policy, decodes, kernel):
+    assert KernelPolicy.parse(policy).attention_kernel(decodes) == kernel
+
+
+def test_attention_only_policies_leave_linear_ops_native():
+    assert KernelPolicy.parse("per-seq").kernel_for(7) == "native"
+    assert KernelPolicy.parse("batched").kernel_for(1) == "native"
+
+
+def test_forcing_attention_per_step():
+    d = KernelDispatcher(KernelPolicy.parse("native"), "target")
+    d.forced = {3: {"attention": KernelPolicy.parse("per-seq")}, 4: KernelPolicy.parse("batch-invariant")}
+    assert [d.attention_kernel(s, 4) for s in (2, 3, 4, 5)] == ["batched", "per-seq", "per-seq", "batched"]
+
+
+class Kernels(Observer):
+    wants_kernels = True
+
+    def __init__(self):
+        self.choices = []
+
+    def on_kernel(self, c):
+        self.choices.append(c)
+
+
+def test_engine_records_attention_per_step_and_layer(target, prompts):
+    obs = Kernels()
+    eng = Engine(target, policy="native", stop_at_eos=False, observers=[obs])
+    reqs = [Request(f"r{i}", tuple(target.encode(p)), max_tokens=6) for i, p in enumerate(prompts[:4])]
+    eng.run(reqs, "concurrent")
+    att = [c for c in obs.choices if c.op == "attention"]
+    steps = {c.step for c in obs.choices}
+    assert {(c.step, c.layer) for c in att} == {(s, li) for s in steps for li in range(target.num_layers)}
+    batched = [c for c in att if c.kernel == "batched"]
+    assert batched and all(c.n >= 2 and c.k >= c.kv_min > 0 and c.native_class for c in batched)
+    # on this CPU (bf16) a batched decode computes every probe row as the sequences alone do
+    fwd = eng._target_fwd
+    alone = fwd.attention_classes.signature("per-seq", 1, fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, 1, fwd.dtype)
+    obs.choices.clear()
+    eng.run(reqs[:1], "serial")  # one sequence: per-seq, class of the sequence alone
+    assert {c.native_class for c in obs.choices if c.op == "attention" and c.native_class} == {alone}
+    assert {c.kernel for c in obs.choices if c.op == "attention"} == {"per-seq"}
+    if ON_CPU:
+        assert {c.native_class for c in batched} == {alone}
+
+
+def test_batch_invariant_serial_equals_concurrent_with_spec_and_prefix_cache(target, draft):
+    """Per-seq attention under batch-invariant: serial and concurrent agree bit for bit with
+    speculative decoding and prefix caching both on (shared prefixes, staggered arrivals)."""
+    from divergence.prompts import DEMO_R2_PROMPT
+
+    base = target.encode(DEMO_R2_PROMPT)
+    reqs = [Request(f"r{i}", tuple(base[: 36 + 7 * i]), max_tokens=10, arrival=i) for i in range(4)]
+    obs = Kernels()
+    eng = Engine(target, draft, policy="batch-invariant", spec_k=3, prefix_caching=True, stop_at_eos=False,
+                 observers=[obs])
+    s = eng.run(reqs, "serial")
+    c = eng.run(reqs, "concurrent")
+    assert c.prefix_hits > 0 and s.prefix_hits > 0
+    assert {x.kernel for x in obs.choices if x.op == "attention"} == {"per-seq"}
+    for r in reqs:
+        a, b = s.outputs[r.id], c.outputs[r.id]
+        assert a.tokens == b.tokens
+        assert np.array_equal(np.array(a.topk_logits).view(np.uint32), np.array(b.topk_logits).view(np.uint32))
