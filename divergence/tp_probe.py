@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .engine.native_classes import bits as _bits
+from .engine.bits import raw_bits as _bits
 from .probe import OpProbe, classify
 
 PROBE_ROWS = 32  # rows compared at each row count (as the linear-op probe)
