@@ -11,7 +11,8 @@ def add_arguments(p) -> None:
     p.add_argument("--force", action="append", default=[], metavar="STEP:KERNEL",
                    help="run STEP with KERNEL (gemv = every linear op row by row, gemm, gemm:S, native, "
                         "batch-invariant, threshold:N), one op with STEP:OP=KERNEL, or STEP:solo = each request "
-                        "of the step alone, every op included (proves native causes); repeatable")
+                        "of the step alone, every op included (proves native causes); STEP:unsharded (or STEP:OP=unsharded) "
+                        "= a tensor-parallel trace's sharded ops on the full weights, no all-reduce; repeatable")
     p.add_argument("--out", metavar="PATH", help="where the replayed trace goes (default: a temporary file)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
