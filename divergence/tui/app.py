@@ -49,6 +49,9 @@ class BrowseApp(App):
         self._analyse = analyse
         names = [t.path.name for t in data.traces]
         self.sub_title = " vs ".join(f"{'AB'[i]}: {n}" for i, n in enumerate(names))
+        degrees = [t.tp_degree for t in data.traces]
+        if len(set(degrees)) > 1:
+            self.sub_title += f"  ·  tensor-parallel degrees differ: TP={degrees[0]} vs TP={degrees[1]}"
 
     def get_default_screen(self) -> OverviewScreen:
         return OverviewScreen()

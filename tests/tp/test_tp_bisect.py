@@ -100,3 +100,21 @@ def test_unsharded_on_a_one_device_trace_is_bad_input(traces):
     r = cli("replay", traces / "tp1" / "serial.h5", "--force", "0:unsharded")
     assert r.returncode == 2
     assert len(r.stderr.strip().splitlines()) == 1 and "nothing is sharded" in r.stderr
+
+
+def test_browse_compares_tp1_with_tp2(traces):
+    """The browser: the degrees side by side, in its title and in the analysis labels."""
+    from divergence.tui.app import BrowseApp
+    from divergence.tui.data.overview import meta_rows
+    from divergence.tui.data.session import BrowseData
+
+    d = BrowseData.open(traces / "tp1" / "serial.h5", traces / "tp2" / "serial.h5")
+    try:
+        rows = dict(meta_rows(d.traces))
+        assert rows["tensor parallel"][0] == "TP=1 (one device)"
+        assert rows["tensor parallel"][1].startswith("TP=2 · ring")
+        assert "tensor-parallel degrees differ: TP=1 vs TP=2" in BrowseApp(d, analyse=False).sub_title
+        d.analyse()
+        assert not d.analysis_error and d.diff.tp_degrees == (1, 2) and d.diff.label_b.endswith("TP=2")
+    finally:
+        d.close()

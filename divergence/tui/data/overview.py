@@ -73,12 +73,20 @@ def meta_rows(traces) -> list[tuple[str, list[str]]]:
     add("draft", lambda m: _name((m["draft"] or {}).get("path")))
     add("settings", lambda m: f"spec k {m['settings'].get('spec_k')}, budget "
                               f"{m['settings'].get('token_budget')}, top-k {m.get('top_k')}")
+    if any(t.tp_degree > 1 for t in traces):  # tensor-parallel traces: the degree side by side
+        add("tensor parallel", lambda m: _tp(m["settings"].get("tp")))
     add("versions", lambda m: f"mlx {env(m).get('mlx', '?')} · mlx-lm {env(m).get('mlx_lm', '?')}")
     add("device", lambda m: env(m).get("device"))
     add("BLAS", lambda m: env(m).get("blas"))
     add("created", lambda m: str(m.get("created", ""))[:19].replace("T", " "))
     add("completed", lambda m: "yes" if m.get("completed") else "NO (killed or still running)")
     return rows
+
+
+def _tp(tp) -> str:
+    if not tp:
+        return "TP=1 (one device)"
+    return f"TP={tp.get('degree')} · {tp.get('backend')} · {tp.get('launcher')}"
 
 
 def totals(traces, counts) -> list[tuple[str, list[str]]]:
