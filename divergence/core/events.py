@@ -169,8 +169,13 @@ class RunInfo:
 class Observer:
     """Receives engine events. Subclasses override what they need.
 
-    `wants_kv_hashes` / `wants_topk` / `wants_kernels`: the engine skips that work
-    when no observer asks, so an unobserved run pays nothing for tracing.
+    `wants_kv_hashes` / `wants_topk` / `wants_kernels` / `wants_routing` / `wants_records`: the engine
+    skips that work when no observer asks, so an unobserved run pays nothing for tracing.
+
+    `on_record(table, **columns)` carries records of any trace table
+    (trace/schema.py TABLES: draws, ...): arrays of one length
+    or scalars. An observer may keep an event (and its arrays) past the call: the
+    engine never mutates what it emitted.
 
     Order within one step: on_kernel* and on_allreduce* (during the forward), on_kv_write*, on_routing*,
     on_token*, on_request* (arrivals are sent before the step that first
@@ -182,6 +187,7 @@ class Observer:
     wants_topk: bool = False
     wants_kernels: bool = False
     wants_routing: bool = False
+    wants_records: bool = False
 
     def on_run_start(self, info: RunInfo) -> None: ...
     def on_step(self, event: StepEvent) -> None: ...
@@ -191,4 +197,5 @@ class Observer:
     def on_routing(self, routing: Routing) -> None: ...
     def on_token(self, event: TokenEvent) -> None: ...
     def on_request(self, event: RequestEvent) -> None: ...
+    def on_record(self, table: str, **columns) -> None: ...
     def on_run_end(self, completed: bool) -> None: ...

@@ -1,15 +1,20 @@
-"""Reading traces: lazy, numpy out, robust to files of killed runs.
+"""Reading traces: lazy, numpy out, robust to files of killed runs, schema 1 and 2.
 
     with Trace.open("traces/serial.h5") as t:
         t.tokens("r1").topk_logits      # float32 [n, K], exact
         t.step_plan(7)                  # the StepPlan replay re-executes
         t.live_kv("r1", at_step=40)     # which write each (layer, position) read at step 40
+        t.table("draws")                # any table of schema.TABLES, as column arrays
+
+A Trace is a snapshot: each table is read once, the steps table first, and every
+other table is cut to the steps that snapshot holds (a writer appends the steps
+last), so records read from several threads, at different times, agree.
+`refresh()` starts a new snapshot of a file that is still being written.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +25,9 @@ from ..core.events import SeqSlice, StepPlan
 from ..core.request import Sampling
 from ..errors import TraceError
 from . import schema as S
+from .h5lock import H5_LOCK
+from .layout_v1 import read_v1_table
+from .opening import FILES as _FILES, check as _check
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,12 @@ class TokenRecords(NamedTuple):
 
 
 class Trace:
-    def __init__(self, path: Path, f: h5py.File):
+    def __init__(self, path: Path, f: h5py.File, *, swmr: bool = False):
         self.path = path
         self.f = f
+        self.swmr = swmr  # opened as an SWMR reader: a live or killed run, whose datasets need refreshing
+        self.version = int(f.attrs["schema_version"])
+        self._cache: dict = {}
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -53,43 +64,23 @@ class Trace:
             raise TraceError(f"no such trace: {p}")
         if p.is_dir():
             raise TraceError(f"{p} is a directory, not a trace file")
-        try:
-            if not h5py.is_hdf5(p):
-                raise TraceError(f"{p} is not an HDF5 file (corrupt or not a trace)")
+        with H5_LOCK:
+            f, swmr = _FILES.acquire(p)
             try:
-                f = h5py.File(p, "r")
-            except OSError as e:
-                if "truncated" in str(e):  # SWMR reads skip the EOF check and can hang on these
-                    raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
-                # a writer killed mid-run leaves the file marked open for SWMR writing
-                f = h5py.File(p, "r", swmr=True)
-        except TraceError:
-            raise
-        except (OSError, ValueError) as e:
-            raise TraceError(f"cannot read {p}: corrupt HDF5 ({e})") from None
-        try:
-            fmt = f.attrs.get("format")
-            if fmt != S.FORMAT:
-                raise TraceError(f"{p} is an HDF5 file but not a divergence trace")
-            version = int(f.attrs.get("schema_version", -1))
-            if version > S.SCHEMA_VERSION:
-                raise TraceError(f"{p} uses trace schema {version}, newer than this divergence reads "
-                                 f"({S.SCHEMA_VERSION}); upgrade divergence")
-            if version < 1:
-                raise TraceError(f"{p} has no valid schema_version")
-            for name in ("steps", "tokens", S.REQUESTS, S.META):
-                if name not in f:
-                    raise TraceError(f"{p} is a damaged trace: /{name} is missing")
-        except TraceError:
-            f.close()
-            raise
-        except Exception as e:  # damaged metadata
-            f.close()
-            raise TraceError(f"cannot read {p}: {e}") from None
-        return cls(p, f)
+                _check(p, f)
+            except TraceError:
+                _FILES.release(f)
+                raise
+            except Exception as e:  # damaged metadata
+                _FILES.release(f)
+                raise TraceError(f"cannot read {p}: {e}") from None
+        return cls(p, f, swmr=swmr)
 
     def close(self) -> None:
-        self.f.close()
+        with H5_LOCK:
+            if self.f is not None:
+                _FILES.release(self.f)
+                self.f = None
 
     def __enter__(self):
         return self
@@ -98,31 +89,76 @@ class Trace:
         self.close()
         return False
 
+    def refresh(self) -> None:
+        """Forget what was read: the next reads see what a live writer appended since."""
+        with H5_LOCK:
+            self._cache.clear()
+
+    def _once(self, key, load):
+        """load() once per snapshot, under the HDF5 lock (reads from several threads are safe)."""
+        try:
+            return self._cache[key]
+        except KeyError:
+            pass
+        with H5_LOCK:
+            if key not in self._cache:
+                self._cache[key] = load()
+            return self._cache[key]
+
     # -- metadata ----------------------------------------------------------------------
     @property
     def schema_version(self) -> int:
-        return int(self.f.attrs["schema_version"])
+        return self.version
 
     @property
     def completed(self) -> bool:
-        return bool(self.f[S.STATUS][0])
+        with H5_LOCK:
+            return bool(self.f[S.STATUS][0])
 
     @property
     def has_kv_hashes(self) -> bool:
-        return bool(self.f.attrs.get("kv_hashes", False))
+        return bool(self._attrs.get("kv_hashes", False))
 
-    @cached_property
+    @property
+    def _attrs(self) -> dict:
+        return self._once("attrs", lambda: dict(self.f.attrs))
+
+    def codes(self, key: str) -> tuple[str, ...]:
+        """A code table as this file stored it (e.g. 'ops'); schema's own where the file has none."""
+        v = self._attrs.get(key)
+        if v is None:
+            return tuple(S.CODE_TABLES[key])
+        return tuple(x.decode() if isinstance(x, bytes) else str(x) for x in v)
+
+    @property
+    def kv_hash(self) -> str:
+        """Name of the 64-bit hash in the KV tables (xxh3_64 for this engine's traces)."""
+        v = self._attrs.get("kv_hash", S.HASH_NAME)
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    @property
+    def tp_degree(self) -> int:
+        """Tensor-parallel degree the trace was recorded at (1: one device)."""
+        return int((self.meta.get("settings", {}).get("tp") or {}).get("degree", 1))
+
+    @property
     def meta(self) -> dict:
+        return self._once("meta", self._meta)
+
+    def _meta(self) -> dict:
         m = self.f[S.META].attrs
         out = {k: json.loads(m[k]) for k in ("settings", "model", "draft", "environment")}
         for k in ("schedule", "policy", "created", "top_k"):
             v = self.f.attrs.get(k)
             out[k] = v.item() if hasattr(v, "item") else v
-        out["completed"] = self.completed
+        out["completed"] = bool(self.f[S.STATUS][0])
         return out
 
-    @cached_property
+    @property
     def requests(self) -> list[TraceRequest]:
+        return self._once("requests", self._requests)
+
+    def _requests(self) -> list[TraceRequest]:
         g = self.f[S.REQUESTS]
         ids = [x.decode() if isinstance(x, bytes) else str(x) for x in g["id"][()]]
         off = g["prompt_offsets"][()]
@@ -133,13 +169,17 @@ class Trace:
                              Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
 
     def request_index(self, request_id: str) -> int:
-        for i, r in enumerate(self.requests):
-            if r.id == request_id:
-                return i
-        raise KeyError(f"no request {request_id!r} in {self.path}")
+        idx = self._once("request_index", lambda: {r.id: i for i, r in enumerate(self.requests)})
+        try:
+            return idx[request_id]
+        except KeyError:
+            raise KeyError(f"no request {request_id!r} in {self.path}") from None
 
-    @cached_property
+    @property
     def vocab(self) -> list[str] | None:
+        return self._once("vocab", self._vocab)
+
+    def _vocab(self) -> list[str] | None:
         if S.VOCAB not in self.f:
             return None
         g = self.f[S.VOCAB]
@@ -147,45 +187,93 @@ class Trace:
         return [raw[off[i]: off[i + 1]].decode("utf-8", "replace") for i in range(len(off) - 1)]
 
     # -- tables --------------------------------------------------------------------------
-    def _table(self, name: str) -> dict[str, np.ndarray]:
-        g = self.f[name]
-        cols = {k: g[k] for k in S.TABLES[name] if k in g}  # older schemas lack newer columns
-        for d in cols.values():
-            d.id.refresh()  # a live (SWMR) writer may have appended
-        n = min(d.shape[0] for d in cols.values())  # a killed writer may leave a ragged end
-        out = {k: d[:n] for k, d in cols.items()}
-        for k, (dtype, _) in S.TABLES[name].items():
-            if k not in out:
-                out[k] = np.full(n, S.DEFAULTS.get((name, k), 0), dtype)
+    def _widths(self) -> dict:
+        try:
+            w = json.loads(self._attrs.get("widths", "{}"))
+        except (TypeError, ValueError):
+            w = {}
+        w.setdefault("top_k", int(self._attrs.get("top_k", S.DEFAULT_WIDTHS["top_k"])))
+        return w
+
+    def _raw(self, name: str) -> dict[str, np.ndarray]:
+        """Every record of a table on disk (codes as stored), its schema columns complete."""
+        t = S.TABLES[name]
+        widths = self._once("widths", self._widths)
+        if self.version == 1:
+            cols = read_v1_table(self.f, t, refresh=self.swmr)
+        else:
+            cols = self._read_v2(name)
+        n = len(next(iter(cols.values()))) if cols else 0
+        out = {}
+        for col, c in t.columns.items():
+            out[col] = cols[col] if col in cols else S.default_array(c, n, S.column_width(c, widths))
+        for col, src in t.derived.items():
+            out[col] = cols[col] if col in cols else out[src].copy()
         return out
 
-    @cached_property
+    def _read_v2(self, name: str) -> dict[str, np.ndarray]:
+        if name not in self.f:
+            return {}
+        d = self.f[name]
+        if self.swmr:
+            d.id.refresh()  # a live (or killed) writer appended since the file was opened
+        rec = d[()]
+        return {k: np.ascontiguousarray(rec[k]) for k in rec.dtype.names}
+
+    @property
     def steps(self) -> dict[str, np.ndarray]:
-        return self._table("steps")
+        return self._once("steps", lambda: self._raw("steps"))
 
     @property
     def num_steps(self) -> int:
         return len(self.steps["index"])
 
-    @cached_property
+    @property
     def _last_step(self) -> int:
-        return int(self.steps["index"].max()) if self.num_steps else -1
+        st = self.steps
+        return int(st["index"].max()) if len(st["index"]) else -1
 
     def _visible(self, name: str) -> dict[str, np.ndarray]:
-        """Records of steps the steps table holds (a killed batch may have left more)."""
-        t = self._table(name)
-        keep = t["step"] <= self._last_step
-        return t if keep.all() else {k: v[keep] for k, v in t.items()}
+        """Records of steps the steps snapshot holds (a flush cut short may have left more)."""
+        def load():
+            last = self._last_step  # the steps snapshot first: every record of its steps is on disk by then
+            t = self._raw(name)
+            if not S.TABLES[name].by_step:
+                return t
+            keep = t["step"] <= last
+            return t if keep.all() else {k: v[keep] for k, v in t.items()}
+        return self._once(("visible", name), load)
 
-    @cached_property
+    def has_table(self, name: str) -> bool:
+        """Whether the file holds the table at all (written before a table existed: no)."""
+        t = S.TABLES.get(S.ALIASES.get(name, name))
+        if t is None:
+            return False
+        path = (t.v1 if self.version == 1 else S.ALIASES.get(name, name))
+        return self._once(("has", path), lambda: path is not None and path in self.f)
+
+    def table(self, name: str, *, raw: bool = False) -> dict[str, np.ndarray]:
+        """A table of schema.TABLES as column arrays (empty for a table this trace lacks), with
+        code columns decoded to names unless `raw`; `request` stays an index into requests."""
+        name = S.ALIASES.get(name, name)
+        if name not in S.TABLES:
+            raise KeyError(f"no trace table {name!r} (tables: {', '.join(S.TABLES)})")
+        t = self.steps if name == "steps" else self._visible(name)
+        return dict(t) if raw else self._decode(name, t)
+
+    def _decode(self, name: str, t: dict) -> dict:
+        out = dict(t)
+        for col, c in S.TABLES[name].columns.items():
+            if c.codes is not None and c.codes != S.REQUEST:
+                out[col] = self._names(c.codes)[t[col]]
+        return out
+
+    def _names(self, key: str) -> np.ndarray:
+        return self._once(("names", key), lambda: np.array(self.codes(key)))
+
+    @property
     def _tokens(self) -> dict[str, np.ndarray]:
-        t = self._table("tokens")
-        ids, logits = self.f[S.TOPK_IDS], self.f[S.TOPK_LOGITS]
-        n = min(len(t["step"]), ids.shape[0], logits.shape[0])
-        t = {k: v[:n] for k, v in t.items()}
-        t["topk_ids"], t["topk_logits"] = ids[:n], logits[:n]
-        keep = t["step"] <= self._last_step
-        return t if keep.all() else {k: v[keep] for k, v in t.items()}
+        return self._visible("tokens")
 
     def tokens(self, request_id: str) -> TokenRecords:
         t = self._tokens
@@ -194,12 +282,14 @@ class Trace:
         return TokenRecords(t["position"][sel], t["token"][sel], t["step"][sel], t["spec"][sel],
                             t["topk_ids"][sel], t["topk_logits"][sel])
 
-    @cached_property
+    @property
     def _slices(self) -> dict[str, np.ndarray]:
-        t = self._visible("slices")
-        t["input_tokens"] = self._table("slices/input_tokens")["value"]
-        t["logit_rows"] = self._table("slices/logit_rows")["value"]
-        return t
+        def load():
+            t = dict(self._visible("slices"))
+            t["input_tokens"] = self._visible("slice_tokens")["value"]
+            t["logit_rows"] = self._visible("slice_logit_rows")["value"]
+            return t
+        return self._once("slices", load)
 
     def step_plan(self, index: int) -> StepPlan:
         st = self.steps
@@ -209,13 +299,15 @@ class Trace:
         i = int(i[0])
         sl = self._slices
         lo, n = int(st["slice_offset"][i]), int(st["slice_count"][i])
-        return StepPlan(int(index), S.MODELS[int(st["model"][i])], tuple(self._slice(sl, j) for j in range(lo, lo + n)))
+        return StepPlan(int(index), self.codes("models")[int(st["model"][i])],
+                        tuple(self._slice(sl, j) for j in range(lo, lo + n)))
 
     def _slice(self, sl, j: int) -> SeqSlice:
         to, c = int(sl["token_offset"][j]), int(sl["count"][j])
         lo, lc = int(sl["logit_offset"][j]), int(sl["logit_count"][j])
-        return SeqSlice(self.requests[int(sl["request"][j])].id, S.PHASES[int(sl["phase"][j])], int(sl["start"][j]),
-                        c, int(sl["row_offset"][j]), tuple(int(x) for x in sl["input_tokens"][to: to + c]),
+        return SeqSlice(self.requests[int(sl["request"][j])].id, self.codes("phases")[int(sl["phase"][j])],
+                        int(sl["start"][j]), c, int(sl["row_offset"][j]),
+                        tuple(int(x) for x in sl["input_tokens"][to: to + c]),
                         tuple(int(x) for x in sl["logit_rows"][lo: lo + lc]))
 
     def iter_plans(self):
@@ -224,72 +316,25 @@ class Trace:
 
     def kernels(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Kernel choices (all, or of one step), with op / kernel / model as names."""
-        t = self._all_kernels
+        t = self._visible("kernels")
         if step is not None:
             sel = t["step"] == step
             t = {k: v[sel] for k, v in t.items()}
-        out = dict(t)
-        out["op"] = self._names("ops", S.OPS)[t["op"]]
-        out["kernel"] = self._names("kernels", S.KERNELS)[t["kernel"]]
-        out["model"] = np.array(S.MODELS)[t["model"]]
-        return out
-
-    def _names(self, attr: str, default: tuple) -> np.ndarray:
-        """A code table as the file stores it (traces of other engines extend the core's)."""
-        v = self.f.attrs.get(attr)
-        return np.array([x.decode() if isinstance(x, bytes) else str(x) for x in v] if v is not None else default)
-
-    @property
-    def kv_hash(self) -> str:
-        """Name of the 64-bit hash in /kv (xxh3_64 for this engine's traces)."""
-        v = self.f.attrs.get("kv_hash", S.HASH_NAME)
-        return v.decode() if isinstance(v, bytes) else str(v)
-
-    @cached_property
-    def _all_kernels(self) -> dict[str, np.ndarray]:
-        return self._visible("kernels")
-
-    def allreduces(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """Tensor-parallel all-reduce records (all, or of one step), op / model / backend
-        as names; empty for traces of one device (or written before the table existed)."""
-        if "allreduce" in self.f:
-            t = self._visible("allreduce")
-        else:
-            t = {k: np.zeros(0, dt) for k, (dt, _) in S.TABLES["allreduce"].items()}
-        if step is not None:
-            sel = t["step"] == step
-            t = {k: v[sel] for k, v in t.items()}
-        out = dict(t)
-        out["op"] = self._names("ops", S.OPS)[t["op"]]
-        out["model"] = np.array(S.MODELS)[t["model"]]
-        out["backend"] = self._names("tp_backends", S.TP_BACKENDS)[t["backend"]]
-        return out
-
-    @property
-    def tp_degree(self) -> int:
-        """Tensor-parallel degree the trace was recorded at (1: one device)."""
-        return int((self.meta.get("settings", {}).get("tp") or {}).get("degree", 1))
+        return self._decode("kernels", t)
 
     def kv_writes(self) -> dict[str, np.ndarray]:
-        return self._kv_writes
-
-    @cached_property
-    def _kv_writes(self) -> dict[str, np.ndarray]:
-        return self._visible("kv/writes")
+        """KV write records, codes as stored (model: index into codes('models'))."""
+        return self._visible("kv_writes")
 
     def kv_hashes(self) -> dict[str, np.ndarray]:
-        return self._table("kv/hashes")
-
-    @cached_property
-    def _hashes(self):
-        return self.kv_hashes()
+        return self._visible("kv_hashes")
 
     def live_kv(self, request_id: str, *, model: str = "target", at_step: int | None = None) -> dict[str, np.ndarray]:
         """For every (layer, position) of a request, the write live at `at_step` (the
         latest with step <= at_step: later writes overwrite rolled-back positions).
         Arrays layer, position, step, k_hash, v_hash, sorted by (layer, position)."""
-        w = self._kv_writes
-        sel = (w["request"] == self.request_index(request_id)) & (w["model"] == S.MODELS.index(model))
+        w = self.kv_writes()
+        sel = (w["request"] == self.request_index(request_id)) & (w["model"] == self.codes("models").index(model))
         if at_step is not None:
             sel &= w["step"] <= at_step
         idx = np.flatnonzero(sel)
@@ -311,34 +356,32 @@ class Trace:
         key_s = key[srt]
         last = np.flatnonzero(np.r_[key_s[1:] != key_s[:-1], True])
         pick = srt[last]
-        h = self._hashes
+        h = self.kv_hashes()
         hrow_p = hrow[pick]
         return {"layer": layer[pick], "position": position[pick], "step": step[pick],
                 "k_hash": h["k_hash"][hrow_p], "v_hash": h["v_hash"][hrow_p]}
 
+    def allreduces(self, step: int | None = None) -> dict[str, np.ndarray]:
+        """Tensor-parallel all-reduce records (all, or of one step), op / model / backend
+        as names; empty for traces of one device (or written before the table existed)."""
+        t = self._visible("allreduce")
+        if step is not None:
+            sel = t["step"] == step
+            t = {k: v[sel] for k, v in t.items()}
+        return self._decode("allreduce", t)
+
     @property
     def has_routing(self) -> bool:
         """Whether the trace holds MoE routing (its model has expert layers)."""
-        return "routing" in self.f and self.f["routing/step"].shape[0] > 0
-
-    @cached_property
-    def _routing(self) -> dict[str, np.ndarray]:
-        if "routing" not in self.f:
-            return {k: np.zeros(0, dt) for k, (dt, _) in S.TABLES["routing"].items()}
-        return self._visible("routing")
-
-    @cached_property
-    def _routing_choices(self) -> dict[str, np.ndarray]:
-        return self._table("routing/choices") if "routing" in self.f else {"expert": np.zeros(0, np.int16),
-                                                                            "score": np.zeros(0, np.float32)}
+        return len(self._visible("routing")["step"]) > 0
 
     def routing(self, request_id: str, *, model: str = "target", at_step: int | None = None) -> dict[str, np.ndarray]:
         """A request's MoE routing, one row per (layer, position): the record live at
         `at_step` (the latest with step <= at_step; all steps when None), sorted by
         (position, layer). Arrays layer, position, step, runner_up, runner_up_score,
         input_hash [n], experts int [n, k], scores float32 [n, k]."""
-        t = self._routing
-        sel = (t["request"] == self.request_index(request_id)) & (t["model"] == S.MODELS.index(model))
+        t = self._visible("routing")
+        sel = (t["request"] == self.request_index(request_id)) & (t["model"] == self.codes("models").index(model))
         if at_step is not None:
             sel &= t["step"] <= at_step
         idx = np.flatnonzero(sel)
@@ -350,13 +393,14 @@ class Trace:
         k = int(t["k"][pick].max()) if pick.size else 0
         if pick.size and not (t["k"][pick] == k).all():
             raise ValueError("routing rows of one request hold different k")  # one model: one top-k
-        ch = self._routing_choices
+        ch = self._visible("routing_choices")
         rows = t["choice_offset"][pick][:, None] + np.arange(k)[None, :]
         out["experts"] = ch["expert"][rows].astype(np.int32)
         out["scores"] = ch["score"][rows]
         return out
 
     def finish_step(self, request_id: str) -> int | None:
-        t = self._table("request_events")
-        sel = (t["request"] == self.request_index(request_id)) & (t["kind"] == S.REQUEST_EVENTS.index("finished"))
+        t = self._visible("request_events")
+        sel = (t["request"] == self.request_index(request_id)) & \
+              (t["kind"] == self.codes("kinds").index("finished"))
         return int(t["step"][sel][0]) if sel.any() else None

@@ -14,7 +14,7 @@ def test_round_trip(tmp_path):
     with TraceWriter(path, top_k=4) as w:
         em = emit_run(w)
     with Trace.open(path) as t:
-        assert t.completed and t.schema_version == 1
+        assert t.completed and t.schema_version == 2
         assert t.meta["schedule"] == "concurrent" and t.meta["model"]["weights_hash"] == "abc"
         assert [(r.id, r.prompt_tokens, r.arrival, r.max_tokens, r.sampling) for r in t.requests] == \
                [(r.id, r.prompt_tokens, r.arrival, r.max_tokens, r.sampling) for r in REQUESTS]

@@ -240,7 +240,7 @@ def write_long(path, schedule: str, n_tokens: int, *, flip_at: int | None = None
                weights_hash: str = "10ng"):
     """One request generating `n_tokens` tokens, one decode step per token (a long serial run).
 
-    Written in bulk through the writer's column buffers (the per-event path takes ~20 s for
+    Written in bulk through TraceWriter.append (the per-event path takes ~20 s for
     100k steps): two kernel records, one KV write and one token per step. From position
     `flip_at` on (if given) the logits move by one ulp and the tokens change, as in a
     diverged run; the KV write of the position before it differs too.
@@ -269,33 +269,25 @@ def write_long(path, schedule: str, n_tokens: int, *, flip_at: int | None = None
         run = _Run(w, schedule, [req], layers=1, top_k=top_k, vocab=vocab, story=None, weights_hash=weights_hash,
                    duration=0.001)
         w.on_run_start(run.info())
-        t = w.tables
-
-        def put(table, **cols):
-            for k, v in cols.items():
-                t[table].extend(k, np.broadcast_to(v, (n,)).tolist())
-
-        put("steps", index=steps, model=0, duration=0.001, rows=rows, slice_offset=steps, slice_count=1)
-        put("slices", step=steps, request=0, phase=np.where(steps == 0, S.PHASES.index("prefill"),
-                                                             S.PHASES.index("decode")),
-            start=start, count=rows, row_offset=0, token_offset=np.r_[0, np.arange(P, P + n - 1)],
-            logit_offset=steps, logit_count=1)
-        t["slices/input_tokens"].extend("value", list(prompt) + ids[:-1, 0].tolist())
-        t["slices/logit_rows"].extend("value", (rows - 1).tolist())
         kern = np.repeat(steps, 2)
         krows = np.repeat(rows, 2)
-        kcode = np.where(krows <= 4, S.KERNELS.index("gemv"), S.KERNELS.index("gemm"))
-        t["kernels"].extend("step", kern.tolist())
-        for k, v in (("model", 0), ("layer", np.tile([0, 1], n)), ("op", np.tile([S.OPS.index("k_proj"),
-                                                                               S.OPS.index("lm_head")], n)),
-                     ("rows", krows), ("kernel", kcode), ("m", krows), ("n", np.tile([64, 512], n)), ("k", 64),
-                     ("splits", np.where(krows <= 4, 1, 2)), ("native_class", 0), ("expert", -1)):
-            t["kernels"].extend(k, np.broadcast_to(v, kern.shape).tolist())
-        put("kv/writes", step=steps, model=0, request=0, layer=0, start=start, count=rows, hash_offset=start)
-        t["kv/hashes"].extend("k_hash", kv[:, 0].tolist())
-        t["kv/hashes"].extend("v_hash", kv[:, 1].tolist())
-        put("tokens", step=steps, request=0, position=P + steps, token=ids[:, 0], spec=0)
-        w._topk_ids, w._topk_logits = list(ids), list(vals)
+        w.append("kernels", step=kern, model=0, layer=np.tile([0, 1], n),
+                 op=np.tile([S.OPS.index("k_proj"), S.OPS.index("lm_head")], n), m=krows,
+                 kernel=np.where(krows <= 4, S.KERNELS.index("gemv"), S.KERNELS.index("gemm")),
+                 n=np.tile([64, 512], n), k=64, splits=np.where(krows <= 4, 1, 2), native_class=0)
+        w.append("slices", step=steps, request=0,
+                 phase=np.where(steps == 0, S.PHASES.index("prefill"), S.PHASES.index("decode")),
+                 start=start, count=rows, row_offset=0, token_offset=np.r_[0, np.arange(P, P + n - 1)],
+                 logit_offset=steps, logit_count=1)
+        w.append("slice_tokens", value=np.r_[prompt, ids[:-1, 0]])
+        w.append("slice_logit_rows", value=rows - 1)
+        w.append("kv_hashes", k_hash=kv[:, 0], v_hash=kv[:, 1])
+        w.append("kv_writes", step=steps, model=0, request=0, layer=0, start=start, count=rows,
+                 hash_offset=start)
+        w.append("tokens", step=steps, request=0, position=P + steps, token=ids[:, 0], spec=0, topk_ids=ids,
+                 topk_logits=vals)
+        w.append("steps", index=steps, model=0, duration=0.001, rows=rows, slice_offset=steps,
+                 slice_count=1)
         w.on_request(RequestEvent(n - 1, "long", "finished", "length"))
         w.on_run_end(True)
     _freeze(path)

@@ -1,0 +1,211 @@
+"""Buffered events -> record arrays of each table (runs on the writer's flush thread).
+
+The engine thread only appends event objects to lists; everything here (codes,
+request indexes, running offsets, padding of 2-D columns) happens off it, batch by
+batch, in order. An event fills the columns its fields are named after (`request`
+from `request_id`); columns it lacks get their schema default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import schema as S
+
+
+@dataclass
+class Batch:
+    """Everything emitted since the last hand-off, per table, in emission order."""
+
+    items: dict = field(default_factory=dict)  # table -> list of event objects or Cols
+    steps: int = 0  # StepEvents in this batch
+
+    def add(self, table: str, item) -> None:
+        lst = self.items.get(table)
+        if lst is None:
+            self.items[table] = [item]
+        else:
+            lst.append(item)
+
+
+class Cols(dict):
+    """Columns given to TraceWriter.append (arrays or scalars, broadcast to one length)."""
+
+
+class Encoder:
+    def __init__(self, dtypes: dict[str, np.dtype], request_index: dict[str, int], code_tables: dict):
+        self.dtypes = dtypes
+        self.req = request_index
+        self.codes = {k: {n: i for i, n in enumerate(v)} for k, v in code_tables.items()}
+        self.n_slices = self.n_input = self.n_logit_rows = self.n_hashes = self.n_choices = 0
+        self._attrs: dict = {}
+
+    def encode(self, batch: Batch) -> dict[str, list[np.ndarray]]:
+        out: dict[str, list[np.ndarray]] = {}
+        for table, items in batch.items.items():
+            for group in _runs(items):
+                if isinstance(group, Cols):
+                    self._put(out, table, self._cols(table, group))
+                elif table == "steps":
+                    self._steps(out, group)
+                elif table == "kv_writes":
+                    self._kv(out, group)
+                elif table == "routing":
+                    self._routing(out, group)
+                else:
+                    self._put(out, table, self._objects(table, group))
+        return out
+
+    @staticmethod
+    def _put(out, table, arr) -> None:
+        if len(arr):
+            out.setdefault(table, []).append(arr)
+
+    # -- values -> stored values ------------------------------------------------------------
+    def _code(self, c: S.Column, vals):
+        table = self.req if c.codes == S.REQUEST else self.codes[c.codes]
+        arr = np.asarray(vals)
+        if arr.dtype.kind in "iub":
+            return arr
+        try:
+            return np.array([table[v] if isinstance(v, str) else int(v) for v in arr.ravel()]).reshape(arr.shape)
+        except KeyError as e:
+            what = "request" if c.codes == S.REQUEST else f"name in attrs[{c.codes!r}]"
+            raise ValueError(f"unknown {what}: {e.args[0]!r}") from None
+
+    def _fill(self, rec: np.ndarray, name: str, c: S.Column, vals) -> None:
+        if c.codes is not None:
+            vals = self._code(c, vals)
+        width = rec.dtype[name].shape
+        if width and isinstance(vals, list):  # ragged rows (top-k of any length): pad
+            w = width[0]
+            col = np.full((len(rec), w), c.default, c.dtype)
+            for i, v in enumerate(vals):
+                v = np.asarray(v).ravel()[:w]
+                col[i, : len(v)] = v
+            vals = col
+        elif width and np.ndim(vals) == 2 and np.shape(vals)[1] != width[0]:
+            col = np.full((len(rec), width[0]), c.default, c.dtype)
+            k = min(width[0], np.shape(vals)[1])
+            col[:, :k] = np.asarray(vals)[:, :k]
+            vals = col
+        rec[name] = vals
+
+    def _objects(self, table: str, objs: list) -> np.ndarray:
+        dt = self.dtypes[table]
+        rec = np.empty(len(objs), dt)
+        kind = type(objs[0])
+        for name, c in S.TABLES[table].columns.items():
+            attr = self._attr(kind, name)
+            if attr is None:
+                rec[name] = c.default
+            else:
+                self._fill(rec, name, c, [getattr(o, attr) for o in objs])
+        return rec
+
+    def _attr(self, kind: type, column: str) -> str | None:
+        key = (kind, column)
+        if key not in self._attrs:
+            fields = getattr(kind, "__dataclass_fields__", None) or vars(kind)
+            self._attrs[key] = next((a for a in (column, column + "_id") if a in fields), None)
+        return self._attrs[key]
+
+    def _cols(self, table: str, cols: Cols) -> np.ndarray:
+        spec = S.TABLES[table].columns
+        n = max((len(v) for k, v in cols.items() if np.ndim(v) >= 1 and not (spec[k].width and np.ndim(v) == 1)),
+                default=1)
+        rec = np.empty(n, self.dtypes[table])
+        for name, c in spec.items():
+            if name not in cols:
+                rec[name] = c.default
+                continue
+            v = cols[name]
+            if c.codes is not None and np.ndim(v) == 0:
+                v = self._code(c, [v])[0]
+            self._fill(rec, name, c, v if np.ndim(v) else np.broadcast_to(np.asarray(v), (n,)))
+        return rec
+
+    # -- the tables with running offsets ------------------------------------------------------
+    def _steps(self, out, events: list) -> None:
+        st = np.empty(len(events), self.dtypes["steps"])
+        slices, input_tokens, logit_rows = [], [], []
+        models, phases = self.codes["models"], self.codes["phases"]
+        for i, e in enumerate(events):
+            plan = e.plan
+            st[i] = (plan.index, models[plan.model], e.duration_s, plan.rows, self.n_slices, len(plan.slices))
+            for s in plan.slices:
+                slices.append((plan.index, self.req[s.request_id], phases[s.phase], s.start, s.count, s.row_offset,
+                               self.n_input, self.n_logit_rows, len(s.logit_rows)))
+                input_tokens.extend(s.tokens)
+                logit_rows.extend(s.logit_rows)
+                self.n_input += len(s.tokens)
+                self.n_logit_rows += len(s.logit_rows)
+            self.n_slices += len(plan.slices)
+        self._put(out, "slices", np.array(slices, self.dtypes["slices"]))
+        self._put(out, "slice_tokens", _values(input_tokens, self.dtypes["slice_tokens"]))
+        self._put(out, "slice_logit_rows", _values(logit_rows, self.dtypes["slice_logit_rows"]))
+        self._put(out, "steps", st)
+
+    def _kv(self, out, writes: list) -> None:
+        rec = self._objects("kv_writes", writes)
+        counts = rec["count"].astype(np.int64)
+        rec["hash_offset"] = self.n_hashes + np.cumsum(counts) - counts
+        self.n_hashes += int(counts.sum())
+        h = np.empty(int(counts.sum()), self.dtypes["kv_hashes"])
+        if len(h):
+            h["k_hash"] = np.concatenate([np.asarray(w.k_hashes, np.uint64).ravel() for w in writes])
+            h["v_hash"] = np.concatenate([np.asarray(w.v_hashes, np.uint64).ravel() for w in writes])
+        self._put(out, "kv_writes", rec)
+        self._put(out, "kv_hashes", h)
+
+
+    def _routing(self, out, events: list) -> None:
+        """One routing record per row of each event (experts [count, k]); choices in order."""
+        counts = np.array([r.count for r in events], np.int64)
+        ks = np.array([np.shape(r.experts)[1] if r.count else 0 for r in events], np.int64)
+        rec = np.empty(int(counts.sum()), self.dtypes["routing"])
+        if len(rec):
+            rep = lambda vals: np.repeat(np.asarray(vals), counts)  # noqa: E731
+            models, req = self.codes["models"], self.req
+            rec["step"] = rep([r.step for r in events])
+            rec["model"] = rep([models[r.model] for r in events])
+            rec["request"] = rep([req[r.request_id] for r in events])
+            rec["layer"] = rep([r.layer for r in events])
+            rec["position"] = np.concatenate([np.arange(r.start, r.start + r.count) for r in events])
+            k = rep(ks)
+            rec["k"] = k
+            rec["choice_offset"] = self.n_choices + np.cumsum(k) - k
+            for col in ("runner_up", "runner_up_score", "input_hash"):
+                rec[col] = np.concatenate([np.asarray(getattr(r, col)).reshape(-1) for r in events])
+        ch = np.empty(int((counts * ks).sum()), self.dtypes["routing_choices"])
+        if len(ch):
+            ch["expert"] = np.concatenate([np.asarray(r.experts).reshape(-1) for r in events])
+            ch["score"] = np.concatenate([np.asarray(r.scores).reshape(-1) for r in events])
+        self.n_choices += len(ch)
+        self._put(out, "routing", rec)
+        self._put(out, "routing_choices", ch)
+
+
+def _values(values: list, dtype: np.dtype) -> np.ndarray:
+    rec = np.empty(len(values), dtype)
+    rec["value"] = values
+    return rec
+
+
+def _runs(items: list):
+    """Consecutive event objects of one type grouped into lists; each Cols on its own."""
+    run: list = []
+    for it in items:
+        if isinstance(it, Cols):
+            if run:
+                yield run
+                run = []
+            yield it
+        else:
+            if run and type(it) is not type(run[0]):
+                yield run
+                run = []
+            run.append(it)
+    if run:
+        yield run
