@@ -61,3 +61,20 @@ def _blocks(loaded):
     from divergence.engine.forward import PackedForward
 
     return PackedForward(loaded).moe
+
+
+def test_unsupported_family_names_the_supported_ones(tmp_path, capsys):
+    import json
+
+    from divergence.cli.main import main
+    from divergence.engine.model import load_model
+    from divergence.errors import UnsupportedModelError
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    with pytest.raises(UnsupportedModelError) as e:
+        load_model(tmp_path)
+    assert "'gpt_oss'" in str(e.value) and "qwen3_moe, mixtral" in str(e.value)
+    capsys.readouterr()
+    assert main(["run", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "qwen3_moe" in err and "Traceback" not in err
