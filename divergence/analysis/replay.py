@@ -214,20 +214,34 @@ def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) 
 
 
 def _compare_kv(a, b):
-    wa, wb = a.kv_writes(), b.kv_writes()
-    cols = ("step", "layer", "start", "count")
-    n = min(len(wa["step"]), len(wb["step"]))
-    if len(wa["step"]) != len(wb["step"]):
-        return False, {"reason": f"{len(wa['step'])} vs {len(wb['step'])} KV writes"}
-    for c in cols:
-        if not np.array_equal(np.asarray(wa[c])[:n], np.asarray(wb[c])[:n]):
-            return False, {"reason": f"KV write {c} differs"}
-    ha, hb = a.kv_hashes(), b.kv_hashes()
-    bad = np.flatnonzero((np.asarray(ha["k_hash"]) != np.asarray(hb["k_hash"]))
-                         | (np.asarray(ha["v_hash"]) != np.asarray(hb["v_hash"])))
+    """Every recorded K/V write, position by position, equal in both traces? Compared as
+    sorted cells (step, model, request, layer, position, k, v): the order in which one
+    step's writes were emitted, and how runs of positions were grouped, carry no meaning."""
+    ca, cb = _kv_cells(a), _kv_cells(b)
+    if len(ca) != len(cb):
+        return False, {"reason": f"{len(ca)} vs {len(cb)} K/V positions written"}
+    bad = np.flatnonzero((ca != cb).any(axis=1))
     if bad.size:
-        return False, {"hash_index": int(bad[0])}
+        step, model, req, layer, pos = (int(x) for x in cb[bad[0], :5])
+        rid = b.requests[req].id if 0 <= req < len(b.requests) else str(req)
+        return False, {"step": step, "request": rid, "layer": layer, "position": pos,
+                       "reason": f"the K/V write of {rid} at step {step}, layer {layer}, position {pos} differs"}
     return True, None
+
+
+def _kv_cells(trace) -> np.ndarray:
+    w, h = trace.kv_writes(), trace.kv_hashes()
+    count = np.asarray(w["count"], np.int64)
+    if not count.size:
+        return np.zeros((0, 7), np.uint64)
+    rep = np.repeat(np.arange(count.size), count)
+    within = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    hrow = np.asarray(w["hash_offset"], np.int64)[rep] + within
+    cols = [np.asarray(w["step"])[rep], np.asarray(w["model"])[rep], np.asarray(w["request"])[rep],
+            np.asarray(w["layer"])[rep], np.asarray(w["start"])[rep] + within,
+            np.asarray(h["k_hash"])[hrow], np.asarray(h["v_hash"])[hrow]]
+    cells = np.stack([np.asarray(c).astype(np.int64).view(np.uint64) for c in cols], axis=1)
+    return cells[np.lexsort(cells[:, ::-1].T)]
 
 
 def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> ReplayReport:
