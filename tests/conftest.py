@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# The optimized BLAS (where installed, as .ci/run does) before any test module imports
+# mlx at collection: a test file that does would leave the whole session on the
+# reference BLAS, and the OpenBLAS-dependent tests would test nothing.
+import divergence.blas  # noqa: F401,E402
+
 pytest_plugins = ["pytester"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -90,6 +90,7 @@ class RootCause:
             "tensor_parallel": self.tensor_parallel,
             "model": self.model,
             "first_op": self.first_op.to_json() if self.first_op is not None else None,
+            "first_op_detail": self.first_op_detail,
             "sampler": self.sampler.to_json() if self.sampler else None,
         }
 
@@ -341,12 +342,14 @@ def _routing_flip(a, b, rd: RequestDiff):
 
 
 def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
-                  bitwise: bool = False) -> BisectReport:
+                  bitwise: bool = False, op_finder=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
     replays B with the root-cause step forced to A's kernels (see analysis.replay).
     Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays):
     a binary search over steps by replay (analysis.replay.make_replay_bisector).
-    bitwise: requests whose tokens match but whose logits differ are diverged and get causes."""
+    bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
+    op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
+    steps recording every op's output rows (analysis.replay.make_op_finder)."""
     d = diff_traces(a, b, bitwise=bitwise)
     causes: dict[str, RootCause] = {}
     hashed = a.has_kv_hashes and b.has_kv_hashes
@@ -372,4 +375,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     if confirm and replayer is not None and hashed:
         for rid, cause in causes.items():
             cause.confirmed, cause.confirm_detail = replayer(cause, next(r for r in d.requests if r.id == rid))
+    if op_finder is not None and hashed:
+        for rid, cause in causes.items():
+            cause.first_op, cause.first_op_detail = op_finder(cause, next(r for r in d.requests if r.id == rid))
     return BisectReport(d, causes, mode, confirm or not hashed)

@@ -167,9 +167,10 @@ class Replayer:
                       prefix_caching=bool(s.get("prefix_caching", False)), observers=list(observers),
                       tp=group_for(trace))
 
-    def run(self, trace, *, forced=None, observers=()):
-        """Replay in memory; returns the engine's RunResult."""
-        from ..engine.replay import TokenSite, replay_plans
+    def run(self, trace, *, forced=None, observers=(), tap=None, stop_after: int | None = None):
+        """Replay in memory; returns the engine's RunResult. tap: an engine.replay.OpTap that
+        records one step's op outputs for one request; stop_after: end after that step."""
+        from ..engine.replay import TokenSite, recorded_draws, replay_plans
 
         check_forced(trace, forced or {})
         engine = self.engine_for(trace, observers=observers)
@@ -179,7 +180,7 @@ class Replayer:
             sites += [TokenSite(int(st), req.id, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
         plans = list(trace.iter_plans())
         return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
-                            forced=forced or {})
+                            forced=forced or {}, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
 
     def replay_to_file(self, trace, out, *, forced=None) -> ReplayReport:
         from ..trace.reader import Trace
@@ -485,3 +486,63 @@ def make_replay_bisector(a, b, replayer: Replayer, label_a: str = "A", label_b: 
         return cause, replays
 
     return bisect_one
+
+
+def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns find(cause, request_diff) -> (OpDifference | None, detail) for bisect_traces.
+
+    Replays each trace up to its root-cause step (unforced: bitwise the recording), with
+    every op's output rows of that step recorded for the request whose K/V the cause
+    names (a prefix-cache hit's owner where the request itself was not in the step), and
+    compares them position by position: the first op whose bits differ."""
+    from ..engine.replay import OpTap
+    from .ops import OpRows, first_op_difference
+
+    seen: dict = {}
+
+    def record(trace, step: int, rid: str) -> OpRows:
+        key = (id(trace), step, rid)
+        if key not in seen:
+            tap = OpTap(step, rid)
+            replayer.run(trace, tap=tap, stop_after=step)
+            seen[key] = OpRows(step, dict(tap.rows), tap.outputs, tap.order)
+        return seen[key]
+
+    def find(cause, rd):
+        ra = _owner(a, cause.a.step, rd.id, cause.positions, cause.layer)
+        rb = _owner(b, cause.b.step, rd.id, cause.positions, cause.layer)
+        if ra is None or rb is None:
+            return None, "the root-cause steps do not both compute the request's rows"
+        d = first_op_difference(record(a, cause.a.step, ra), record(b, cause.b.step, rb))
+        if d is None:
+            return None, (f"every op's output rows are bitwise equal in {label_a} step {cause.a.step} and "
+                          f"{label_b} step {cause.b.step} for the positions both computed")
+        return d, ""
+
+    return find
+
+
+def _owner(trace, step: int, rid: str, positions, layer: int | None = None) -> str | None:
+    """The request whose slice in `step` computed the cause's positions: the request itself,
+    or (a prefix-cache hit) the request whose blocks it shares: the one whose write at that
+    step holds the very bytes the request read."""
+    slices = trace.step_plan(step).slices
+    if any(s.request_id == rid for s in slices):
+        return rid
+    if not positions:
+        return None
+    p0, layer = positions[0], layer or 0
+    cover = [s.request_id for s in slices if s.start <= p0 < s.start + s.count]
+    if len(cover) <= 1:
+        return cover[0] if cover else None
+    want = _cell(trace, rid, layer, p0, None)
+    for other in cover:
+        if want is not None and _cell(trace, other, layer, p0, step) == want:
+            return other
+    return cover[0]
+
+
+def _cell(trace, rid: str, layer: int, position: int, at_step) -> tuple | None:
+    live = trace.live_kv(rid, at_step=at_step)
+    hit = np.flatnonzero((np.asarray(live["layer"]) == layer) & (np.asarray(live["position"]) == position))
+    return (int(live["k_hash"][hit[0]]), int(live["v_hash"][hit[0]])) if hit.size else None

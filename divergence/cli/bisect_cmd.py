@@ -18,6 +18,11 @@ def add_arguments(p, *, html_required: bool = False) -> None:
                    "{trace} {step} {requests} {request} {force} {out} (see docs/recording.md)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the traces were recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
+    p.add_argument("--ops", action="store_true", default=None,
+                   help="replay both root-cause steps recording every op's output rows and name the first op "
+                        "whose bits differ (on by default with --confirm)")
+    p.add_argument("--no-ops", dest="ops", action="store_false", default=None,
+                   help="with --confirm, skip the op-by-op comparison")
     p.add_argument("--bitwise", action="store_true",
                    help="a request whose tokens match but whose logits differ counts as diverged: it gets a root "
                         "cause (and with --confirm a confirmation) like any other, and the exit code is 1")
@@ -60,10 +65,17 @@ def build_report(args, a, b):
             raise DivergenceInputError("--confirm replays with divergence's engine, --confirm-cmd with yours: "
                                        "give one")
         replayer = make_command_confirmer(a, b, confirm_cmd, *labels)
-    elif args.confirm or not (a.has_kv_hashes and b.has_kv_hashes) and not _foreign(a, b):
-        from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_replay_bisector
+    ops = getattr(args, "ops", None)
+    ops = bool(args.confirm) if ops is None else ops
+    if confirm_cmd or _foreign(a, b) or max(a.tp_degree, b.tp_degree) > 1:
+        ops = False  # nothing of ours to replay op by op (another engine's traces, sharded runs)
+    op_finder = None
+    if confirm_cmd:
+        pass
+    elif args.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not _foreign(a, b):
+        from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
 
-        if args.confirm:
+        if args.confirm or ops:
             check_replayable(a)
             check_replayable(b)
         engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
@@ -73,8 +85,10 @@ def build_report(args, a, b):
 
             replayer = make_tp_confirmer(a, b, engine_replayer, *labels)
         bisector = make_replay_bisector(a, b, engine_replayer, *labels)
+        if ops:
+            op_finder = make_op_finder(a, b, engine_replayer, *labels)
     return bisect_traces(a, b, confirm=args.confirm or bool(confirm_cmd), replayer=replayer,
-                         replay_bisector=bisector, bitwise=args.bitwise)
+                         replay_bisector=bisector, bitwise=args.bitwise, op_finder=op_finder)
 
 
 def _foreign(a, b) -> bool:

@@ -9,7 +9,9 @@ its own logits pick and their top-k, so its trace diffs against any other.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from . import sampling as smp
 from .dispatch import KernelPolicy
@@ -29,6 +31,50 @@ class TokenSite:
     spec: int
 
 
+@dataclass
+class OpTap:
+    """Record every op's output rows of one step for one request (analysis.ops compares them):
+    (layer, op) -> {position: float32 row}, in the order the forward ran them."""
+
+    step: int
+    request_id: str
+    rows: dict[int, int] = field(default_factory=dict)  # position -> row of the step's packed input
+    outputs: dict = field(default_factory=dict)
+    order: list = field(default_factory=list)
+    _pending: list = field(default_factory=list)
+
+    def bind(self, plan: StepPlan):
+        """The tap function for this step's forward (None when the request is not in it)."""
+        sl = next((s for s in plan.slices if s.request_id == self.request_id), None)
+        if sl is None:
+            return None
+        self.rows = {sl.start + i: sl.row_offset + i for i in range(sl.count)}
+        logit_row, r = {}, 0  # "norm" / "lm_head" see only the logit rows
+        for s in plan.slices:
+            for lr in s.logit_rows:
+                if s is sl:
+                    logit_row[sl.start + lr] = r
+                r += 1
+        total = plan.rows
+
+        def tap(layer, op, rows):
+            pick = self.rows if rows.shape[0] == total else logit_row
+            self._pending.append(((int(layer), str(op)), pick, rows))
+
+        return tap
+
+    def finish(self) -> None:
+        """After the step evaluated: keep the request's rows as float32 (exact for bf16/fp16)."""
+        import mlx.core as mx
+
+        for key, pick, rows in self._pending:
+            if key not in self.outputs:
+                self.order.append(key)
+            full = np.array(rows.astype(mx.float32)).reshape(rows.shape[0], -1)
+            self.outputs[key] = {p: full[r] for p, r in pick.items() if r < full.shape[0]}
+        self._pending = []
+
+
 def replay_plans(
     engine: Engine,
     requests: list[Request],
@@ -37,7 +83,12 @@ def replay_plans(
     *,
     schedule: str,
     forced: dict[int, KernelPolicy] | None = None,
+    draws: dict | None = None,
+    tap: "OpTap | None" = None,
+    stop_after: int | None = None,
 ) -> RunResult:
+    """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
+    op outputs for one request. stop_after: end after that step."""
     run = _Run(engine, requests, "serial", {})
     run.schedule = schedule  # recorded under the original schedule's name
     run.target.blocks.prefix_caching = engine.prefix_caching or schedule == "warm"
@@ -71,7 +122,16 @@ def replay_plans(
             for s in plan.slices:
                 if s.request_id not in state.blocks.tables:
                     _admit(run, state, req_by_id[s.request_id], reserve[s.request_id], s.start)
-            _, greedy, logits_np = run._forward(state, plan)
+            tapping = tap is not None and plan.index == tap.step
+            if tapping:
+                state.tap = tap.bind(plan)
+            try:
+                _, greedy, logits_np = run._forward(state, plan)
+            finally:
+                if tapping:
+                    state.tap = None
+            if tapping:
+                tap.finish()
             if state.blocks.prefix_caching:
                 for s in plan.slices:
                     if s.phase == PREFILL:
@@ -85,7 +145,9 @@ def replay_plans(
             e._emit("on_step", StepEvent(plan, run._last_duration))
             run.step = plan.index + 1
             run.target_steps += plan.model != DRAFT_MODEL
-        completed = True
+            if stop_after is not None and plan.index >= stop_after:
+                break
+        completed = stop_after is None
     finally:
         e._emit("on_run_end", completed)
     outputs = {
@@ -134,3 +196,22 @@ def _emit_sites(run, plan, sites, greedy, logits_np, req_by_id, generated, topk)
         topk[site.request_id][0].append(ids[0])
         topk[site.request_id][1].append(vals[0])
         run.e._emit("on_token", TokenEvent(plan.index, site.request_id, site.position, tok, site.spec, ids[0], vals[0]))
+
+
+def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
+    """(request, position, purpose) -> u from a trace's draws table (the last drawn for each;
+    empty for traces recorded before draws were)."""
+    try:
+        t = trace.table("draws")
+    except (KeyError, AttributeError):
+        return {}
+    if not len(t.get("step", ())):
+        return {}
+    ids = [r.id for r in trace.requests]
+    out: dict = {}
+    order = np.argsort(np.asarray(t["step"]), kind="stable")
+    for i in order:
+        purpose = t["purpose"][i]
+        purpose = purpose if isinstance(purpose, str) else DRAW_PURPOSES[int(purpose)]
+        out[(ids[int(t["request"][i])], int(t["position"][i]), str(purpose))] = float(t["value"][i])
+    return out

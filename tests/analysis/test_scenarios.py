@@ -99,3 +99,13 @@ def test_logit_only_drift_gets_a_root_cause_and_a_confirmation_with_bitwise(qwen
         assert r["first_divergent_token"] is None and r["first_numeric_divergence"] is not None
         assert r["root_cause"] is not None and r["confirmed"] is True, (r["id"], r["root_cause"])
         assert "bit for bit" in r["root_cause"]["confirm_detail"]
+        # --confirm also replays both root steps op by op: under `native` every kernel label is
+        # the same, so the op whose output bits differ is the lead (here a linear op of layer 0)
+        op = r["root_cause"]["first_op"]
+        assert op is not None and op["layer"] == 0 and op["op"] in ("q_proj", "k_proj", "v_proj"), op
+        assert op["max_abs_delta"] > 0 and "input_layernorm" in op["equal_before"]
+    capsys.readouterr()
+    assert main(["bisect", str(a), str(b), "--bitwise", "--ops"]) == 1
+    text = capsys.readouterr().out
+    assert "first op that differed: layer 0 " in text and " differ first (max |Δ| " in text
+    assert "input_layernorm" in text and "equal" in text
