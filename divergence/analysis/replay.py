@@ -276,23 +276,44 @@ def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     return out
 
 
-def force_like_a(a, step_a: int, b, step_b: int):
+def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positions=None, layer=None):
     """How to make B's step compute what A's did. Where the kernel labels differ (the
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
     the batch itself, so run each request of the step alone (SOLO), as A's did; and so
     where A's experts ran on several kernels (one per expert's row count). Attention is
-    left out of the comparison: a step alone runs it per sequence, as A's did."""
+    left out of the comparison: a step alone runs it per sequence, as A's did. Where,
+    besides, A's step computed the request's positions as another span (a prefill that
+    B split by the prefix cache or by chunking), B's step computes A's span in one pass
+    (RelayoutStep): on a backend whose kernels depend on the row count, only A's rows do."""
     from ..core.names import ATTENTION
-    from ..core.policy import SOLO
+    from ..core.policy import SOLO, RelayoutStep
     from .bisect import step_kernels
 
     ka = step_kernels(a, step_a)
     kb = step_kernels(b, step_b)
     same = {o: k for o, k in ka.items() if o != ATTENTION} == {o: k for o, k in kb.items() if o != ATTENTION}
     if same or _mixed_experts(a, step_a):
+        if rid is not None and a.step_plan(step_a).model == b.step_plan(step_b).model:
+            oa, ob = _owner(a, step_a, rid, positions, layer), _owner(b, step_b, rid, positions, layer)
+            sa, sb = _slice_of(a, step_a, oa), _slice_of(b, step_b, ob)
+            if sa is not None and sb is not None and (sa.start, sa.count) != (sb.start, sb.count) \
+                    and sa.start + sa.count <= _known_len(b, ob):
+                return RelayoutStep(ob, sa.start, sa.start + sa.count)
         return SOLO
     return _as_a(ka, _rows_per_op(a, step_a))
+
+
+def _known_len(trace, rid: str) -> int:
+    """Positions whose input tokens the trace knows for a request: prompt and generated tokens."""
+    req = next(r for r in trace.requests if r.id == rid)
+    return len(req.prompt_tokens) + len(trace.tokens(rid).tokens)
+
+
+def _slice_of(trace, step: int, rid: str | None):
+    if rid is None:
+        return None
+    return next((s for s in trace.step_plan(step).slices if s.request_id == rid), None)
 
 
 def _mixed_experts(trace, step: int) -> bool:
@@ -306,17 +327,24 @@ def _mixed_experts(trace, step: int) -> bool:
 
 
 def _forcing_words(forced: dict, label_a: str) -> str:
-    from ..core.policy import SoloStep
+    from ..core.policy import RelayoutStep, SoloStep
 
     steps = sorted(forced)
     shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
-    solo = [s for s in steps if isinstance(forced[s], SoloStep)]
+    solo = [s for s in steps if isinstance(forced[s], (SoloStep, RelayoutStep))]
     noun = "step" if len(steps) == 1 else "steps"
+    spans = [forced[s] for s in steps if isinstance(forced[s], RelayoutStep)]
+    span = ""
+    if spans:
+        r = spans[0]
+        more = f" (and {len(spans) - 1} more spans)" if len(spans) > 1 else ""
+        span = f", {r.request_id}'s positions {r.start}-{r.end - 1} computed in one pass as {label_a} did{more}"
     if len(solo) == len(steps):
-        return f"{noun} {shown} run request by request (each request alone, as in {label_a})"
+        return f"{noun} {shown} run request by request (each request alone, as in {label_a}){span}"
     if not solo:
         return f"{noun} {shown} run on {label_a}'s kernels"
-    return f"{noun} {shown} run as in {label_a} ({len(solo)} request by request, the rest on {label_a}'s kernels)"
+    return (f"{noun} {shown} run as in {label_a} ({len(solo)} request by request, the rest on {label_a}'s "
+            f"kernels){span}")
 
 
 def _rows_per_op(trace, step: int) -> dict:
@@ -391,7 +419,7 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
             exact = "" if logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")
             return ok, exact, first
 
-        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step)}
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
         what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
         ok, exact, first = check(forced)
         if ok:
@@ -408,7 +436,8 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         pairs[cause.b.step] = cause.a.step
         where = (lambda i: f"position {rd.prompt_len + i}") if logits_only else (lambda i: f"generated #{i}")
         if len(pairs) > 1:
-            forced2 = {sb: force_like_a(a, sa, b, sb) for sb, sa in pairs.items()}
+            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
+            forced2[cause.b.step] = forced[cause.b.step]
             ok2, exact2, first2 = check(forced2)
             if ok2:
                 return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal}{exact2} "
@@ -536,7 +565,7 @@ def _owner(trace, step: int, rid: str, positions, layer: int | None = None) -> s
     if len(cover) <= 1:
         return cover[0] if cover else None
     want = _cell(trace, rid, layer, p0, None)
-    for other in cover:
+    for other in cover:  # slice order is registration order: the first match owns the shared blocks
         if want is not None and _cell(trace, other, layer, p0, step) == want:
             return other
     return cover[0]

@@ -105,3 +105,20 @@ def _int_after_colon(text: str) -> int:
         return -1
 
 
+
+
+@dataclass(frozen=True)
+class RelayoutStep:
+    """Replay forcing for a whole step: besides running each request alone (as SOLO),
+    compute one request's positions [start, end) in this step's pass, as the other trace
+    computed them in one pass: earlier positions again, later ones ahead of time (their
+    own later steps then skip them). What proves a cause that is the row layout itself,
+    e.g. a prefill split by the prefix cache or by chunking, where the backend's kernels
+    depend on the row count and no kernel choice can stand in for the missing rows."""
+
+    request_id: str
+    start: int
+    end: int
+
+    def __str__(self) -> str:
+        return f"{SOLO_NAME}, {self.request_id}[{self.start}:{self.end}] in one pass"

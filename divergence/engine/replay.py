@@ -89,6 +89,7 @@ def replay_plans(
 ) -> RunResult:
     """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
     op outputs for one request. stop_after: end after that step."""
+    plans, sites, forced = relayout(plans, sites, dict(forced or {}), requests)
     run = _Run(engine, requests, "serial", {})
     run.schedule = schedule  # recorded under the original schedule's name
     run.target.blocks.prefix_caching = engine.prefix_caching or schedule == "warm"
@@ -162,7 +163,8 @@ def _admit(run, state, req: Request, reserve: int, first_start: int) -> None:
     """Give a request its blocks as the recording did: a recorded run that started past
     position 0 found its prefix in the cache, and so does the replay (same plans, same order)."""
     if first_start and state.blocks.prefix_caching and state.name != DRAFT_MODEL:
-        matched = state.blocks.match_prefix(req.id, req.prompt_tokens)
+        # at most what the recording found: a forced replay (relayout) may have cached more
+        matched = state.blocks.match_prefix(req.id, req.prompt_tokens[: first_start + 1])
         if matched != first_start:
             raise ValueError(f"replay of {req.id!r}: prefix cache holds {matched} tokens, the recording had "
                              f"{first_start}")
@@ -215,3 +217,66 @@ def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
         purpose = purpose if isinstance(purpose, str) else DRAW_PURPOSES[int(purpose)]
         out[(ids[int(t["request"][i])], int(t["position"][i]), str(purpose))] = float(t["value"][i])
     return out
+
+
+def relayout(plans: list[StepPlan], sites: list, forced: dict, requests) -> tuple[list, list, dict]:
+    """Apply each RelayoutStep: at its step the request's slice covers [start, end) (input
+    tokens from the prompt and the plans), its slices in later target steps lose those
+    positions (a step left empty is dropped), and the token sites whose logit rows moved
+    follow them. The dispatcher sees SOLO for the step. Returns (plans, sites, forced)."""
+    from dataclasses import replace
+
+    from ..core.policy import SOLO, RelayoutStep
+
+    todo = {k: v for k, v in forced.items() if isinstance(v, RelayoutStep)}
+    if not todo:
+        return plans, sites, forced
+    token_at: dict[tuple[str, int], int] = {}
+    for r in requests:
+        for i, t in enumerate(r.prompt_tokens):
+            token_at[(r.id, i)] = int(t)
+    for p in plans:
+        if p.model != DRAFT_MODEL:
+            for s in p.slices:
+                for i, t in enumerate(s.tokens):
+                    token_at.setdefault((s.request_id, s.start + i), int(t))
+    moved: dict[tuple[str, int], int] = {}  # (request, predicted position) -> the step that now computes it
+    taken: dict[str, tuple[int, int, int]] = {}  # request -> (step, start, end) already computed ahead
+    out = []
+    for p in plans:
+        rl = todo.get(p.index)
+        slices, row = [], 0
+        for s in p.slices:
+            if p.model != DRAFT_MODEL and rl is not None and s.request_id == rl.request_id:
+                predicted = {s.start + lr + 1 for lr in s.logit_rows}
+                # logit rows of later slices inside the new span come here too
+                for q in plans:
+                    if q.index > p.index and q.model != DRAFT_MODEL:
+                        for t in q.slices:
+                            if t.request_id == s.request_id:
+                                predicted |= {t.start + lr + 1 for lr in t.logit_rows
+                                              if rl.start <= t.start + lr < rl.end}
+                toks = tuple(token_at[(s.request_id, x)] for x in range(rl.start, rl.end))
+                rows = tuple(sorted(x - 1 - rl.start for x in predicted if rl.start <= x - 1 < rl.end))
+                for x in predicted:
+                    moved[(s.request_id, x)] = p.index
+                s = replace(s, start=rl.start, count=rl.end - rl.start, tokens=toks, logit_rows=rows)
+                taken[s.request_id] = (p.index, rl.start, rl.end)
+            elif p.model != DRAFT_MODEL and s.request_id in taken and p.index > taken[s.request_id][0]:
+                _, lo, hi = taken[s.request_id]
+                keep = [x for x in range(s.start, s.start + s.count) if not lo <= x < hi]
+                if not keep:
+                    continue
+                if keep != list(range(keep[0], keep[-1] + 1)):
+                    raise ValueError(f"relayout of {s.request_id!r} leaves step {p.index} a split slice")
+                cut = keep[0] - s.start
+                s = replace(s, start=keep[0], count=len(keep), tokens=s.tokens[cut: cut + len(keep)],
+                            logit_rows=tuple(lr - cut for lr in s.logit_rows if 0 <= lr - cut < len(keep)))
+            slices.append(replace(s, row_offset=row))
+            row += s.count
+        if slices:
+            out.append(replace(p, slices=tuple(slices)))
+    sites = [replace(x, step=moved[(x.request_id, x.position)]) if (x.request_id, x.position) in moved else x
+             for x in sites]
+    forced = {k: (SOLO if isinstance(v, RelayoutStep) else v) for k, v in forced.items()}
+    return out, sites, forced

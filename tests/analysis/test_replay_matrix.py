@@ -39,12 +39,9 @@ MAX_TOKENS = 8
 
 # Work in progress (issue 14), tracked here so that a fix shows up as an XPASS failure:
 # sampled speculative verifies are not yet replayed with the recorded draws and the
-# replay's own q; under native / batch-invariant fp32 on OpenBLAS the warm schedule's
-# prefix-split prefill (and chunked prefill) differs in row layout, which no kernel
-# forcing reproduces.
+# replay's own q.
 PENDING_REPLAY = {"threshold4-fp32-cold-k3-sampled", "native-4bit-prefix-k3-sampled"}
-PENDING_CONFIRM = {"threshold4-fp32-cold-k3-sampled", "native-fp32-prefix-k0-greedy",
-                   "batch-invariant-fp32-prefix-k0-greedy"}
+PENDING_CONFIRM = {"threshold4-fp32-cold-k3-sampled"}
 
 
 def _marked(ids):
