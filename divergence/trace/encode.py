@@ -8,6 +8,7 @@ from `request_id`); columns it lacks get their schema default.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import numpy as np
 
@@ -29,6 +30,19 @@ class Batch:
             lst.append(item)
 
 
+class _Codes(dict):
+    """name -> code; codes given as ints pass through, unknown names are one clear error."""
+
+    def __init__(self, mapping, what: str):
+        super().__init__(mapping)
+        self.what = what
+
+    def __missing__(self, key):
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            return int(key)
+        raise ValueError(f"unknown {self.what}: {key!r}")
+
+
 class Cols(dict):
     """Columns given to TraceWriter.append (arrays or scalars, broadcast to one length)."""
 
@@ -36,10 +50,12 @@ class Cols(dict):
 class Encoder:
     def __init__(self, dtypes: dict[str, np.dtype], request_index: dict[str, int], code_tables: dict):
         self.dtypes = dtypes
-        self.req = request_index
-        self.codes = {k: {n: i for i, n in enumerate(v)} for k, v in code_tables.items()}
+        self.codes = {k: _Codes({n: i for i, n in enumerate(v)}, f"name in attrs[{k!r}]")
+                      for k, v in code_tables.items()}
+        self.req = _Codes(request_index, "request")
         self.n_slices = self.n_input = self.n_logit_rows = self.n_hashes = self.n_choices = 0
         self._attrs: dict = {}
+        self._rows: dict = {}
 
     def encode(self, batch: Batch) -> dict[str, list[np.ndarray]]:
         out: dict[str, list[np.ndarray]] = {}
@@ -63,16 +79,15 @@ class Encoder:
             out.setdefault(table, []).append(arr)
 
     # -- values -> stored values ------------------------------------------------------------
+    def _table_of(self, c: S.Column) -> "_Codes":
+        return self.req if c.codes == S.REQUEST else self.codes[c.codes]
+
     def _code(self, c: S.Column, vals):
-        table = self.req if c.codes == S.REQUEST else self.codes[c.codes]
         arr = np.asarray(vals)
         if arr.dtype.kind in "iub":
             return arr
-        try:
-            return np.array([table[v] if isinstance(v, str) else int(v) for v in arr.ravel()]).reshape(arr.shape)
-        except KeyError as e:
-            what = "request" if c.codes == S.REQUEST else f"name in attrs[{c.codes!r}]"
-            raise ValueError(f"unknown {what}: {e.args[0]!r}") from None
+        table = self._table_of(c)
+        return np.array([table[v] for v in arr.ravel().tolist()], np.int64).reshape(arr.shape)
 
     def _fill(self, rec: np.ndarray, name: str, c: S.Column, vals) -> None:
         if c.codes is not None:
@@ -93,16 +108,44 @@ class Encoder:
         rec[name] = vals
 
     def _objects(self, table: str, objs: list) -> np.ndarray:
+        """Records of event objects: the scalar columns through one generated tuple
+        function per (table, event type), 2-D columns padded row by row."""
         dt = self.dtypes[table]
+        fn, scalar_dt, wide = self._row_fn(table, type(objs[0]))
+        scalars = np.array(list(map(fn, objs)), scalar_dt)
         rec = np.empty(len(objs), dt)
-        kind = type(objs[0])
-        for name, c in S.TABLES[table].columns.items():
-            attr = self._attr(kind, name)
+        for name in scalar_dt.names:
+            rec[name] = scalars[name]
+        for name, attr in wide:
+            c = S.TABLES[table].columns[name]
             if attr is None:
                 rec[name] = c.default
             else:
                 self._fill(rec, name, c, [getattr(o, attr) for o in objs])
         return rec
+
+    def _row_fn(self, table: str, kind: type):
+        key = (table, kind)
+        if key not in self._rows:
+            dt = self.dtypes[table]
+            env, exprs, names, wide = {}, [], [], []
+            for name, c in S.TABLES[table].columns.items():
+                attr = self._attr(kind, name)
+                if dt[name].shape:
+                    wide.append((name, attr))
+                    continue
+                names.append(name)
+                if attr is None:
+                    env[f"d_{name}"] = c.default
+                    exprs.append(f"d_{name}")
+                elif c.codes is not None:
+                    env[f"c_{name}"] = self._table_of(c)
+                    exprs.append(f"c_{name}[o.{attr}]")
+                else:
+                    exprs.append(f"o.{attr}")
+            fn = eval(f"lambda o: ({', '.join(exprs)},)", env)  # noqa: S307  (built from schema names only)
+            self._rows[key] = (fn, np.dtype([(n, dt[n]) for n in names]), wide)
+        return self._rows[key]
 
     def _attr(self, kind: type, column: str) -> str | None:
         key = (kind, column)
@@ -154,8 +197,8 @@ class Encoder:
         self.n_hashes += int(counts.sum())
         h = np.empty(int(counts.sum()), self.dtypes["kv_hashes"])
         if len(h):
-            h["k_hash"] = np.concatenate([np.asarray(w.k_hashes, np.uint64).ravel() for w in writes])
-            h["v_hash"] = np.concatenate([np.asarray(w.v_hashes, np.uint64).ravel() for w in writes])
+            h["k_hash"] = np.concatenate([w.k_hashes for w in writes], axis=None)
+            h["v_hash"] = np.concatenate([w.v_hashes for w in writes], axis=None)
         self._put(out, "kv_writes", rec)
         self._put(out, "kv_hashes", h)
 
@@ -195,17 +238,8 @@ def _values(values: list, dtype: np.dtype) -> np.ndarray:
 
 def _runs(items: list):
     """Consecutive event objects of one type grouped into lists; each Cols on its own."""
-    run: list = []
-    for it in items:
-        if isinstance(it, Cols):
-            if run:
-                yield run
-                run = []
-            yield it
+    for kind, group in groupby(items, key=type):
+        if kind is Cols:
+            yield from group
         else:
-            if run and type(it) is not type(run[0]):
-                yield run
-                run = []
-            run.append(it)
-    if run:
-        yield run
+            yield list(group)

@@ -1,15 +1,16 @@
-"""The schema-2 file: created at run start, appended table by table, compacted at the end.
+"""The schema-2 file: every table created at run start, appended a flush at a time.
 
-While a run writes, every table is one chunked, resizable, *uncompressed* compound
-dataset: appending a few records to a compressed chunk rewrites the chunk elsewhere
-in the file each flush (a 0.5B-shaped run grew 7x that way), while an uncompressed
-chunk is written in place. A completed trace is rewritten once, compressed
-(`compact`); a killed run keeps the uncompressed file, readable as it is.
+A table is a compressed compound dataset (its body) plus two uncompressed tail
+slots: appending a few records to a compressed chunk would rewrite the chunk
+elsewhere in the file at every flush (a 0.5B-shaped run's file grew 7x that way),
+so the body only ever gets whole chunks, each compressed once, and the rows after
+the last whole chunk go to a tail slot, written in place. /commit names, per table,
+the body rows, the tail rows and the slot, and is written last; closing moves the
+tails into the bodies, so a completed trace is plain compressed tables.
 """
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,18 +25,52 @@ def _json(obj) -> str:
 
 
 class TableFile:
-    """Appends record arrays to one table's dataset."""
+    """One table: a compressed body written a whole chunk at a time (each chunk compressed
+    once, never rewritten) and the rows after it in one of two uncompressed tail slots,
+    overwritten in place; the commit record says which slot holds how many."""
 
-    def __init__(self, ds: h5py.Dataset):
-        self.ds = ds
-        self.n = 0
+    def __init__(self, body: h5py.Dataset, tail: h5py.Dataset):
+        self.body, self.tail_ds = body, tail
+        self.rows = body.chunks[0]
+        self.nb = 0  # rows in the body
+        self.tail = np.empty(0, body.dtype)  # rows after it (fewer than one chunk)
+        self.slot = 0  # the tail slot the last commit named
 
     def append(self, records: np.ndarray) -> None:
-        k = len(records)
-        if k:
-            self.ds.resize((self.n + k,))
-            self.ds[self.n:] = records
-            self.n += k
+        buf = np.concatenate([self.tail, records]) if len(self.tail) else records
+        full = len(buf) - len(buf) % self.rows
+        if full:
+            self.body.resize((self.nb + full,))
+            self.body[self.nb:] = buf[:full]
+            self.nb += full
+        self.tail = buf[full:]
+        self.slot = 1 - self.slot  # the other slot: the committed one stays intact until the next commit
+        if len(self.tail):
+            self.tail_ds[self.slot, : len(self.tail)] = self.tail
+
+    def finish(self) -> None:
+        """Everything into the body (the last chunk partial), tails empty."""
+        if len(self.tail):
+            self.body.resize((self.nb + len(self.tail),))
+            self.body[self.nb:] = self.tail
+            self.nb += len(self.tail)
+            self.tail = self.tail[:0]
+
+
+class Commit:
+    """/commit, int64 [1 + tables, 3]: row 0 (sequence, 0, 0), then per table (rows in
+    the body, rows in the tail, tail slot). Written after everything it names is on
+    disk: a reader (or a killed run's file) sees whole flushes only."""
+
+    def __init__(self, ds: h5py.Dataset, tables: dict[str, TableFile]):
+        self.ds, self.tables = ds, tables
+        self.seq = 0
+
+    def write(self) -> None:
+        self.seq += 1
+        rows = [(self.seq, 0, 0)] + [(t.nb, len(t.tail), t.slot) for t in self.tables.values()]
+        self.ds[...] = np.array(rows, np.int64)
+        self.ds.flush()
 
 
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
@@ -70,23 +105,24 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
             g.create_dataset("bytes", data=np.frombuffer(b"".join(pieces), np.uint8))
             g.create_dataset("offsets", data=np.concatenate([[0], np.cumsum([len(p) for p in pieces])]))
         tables, dtypes = {}, {}
+        tails = f.create_group(S.TAILS)
         for name, t in S.TABLES.items():
             dt = dtypes[name] = S.record_dtype(t, widths)
-            d = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt,
-                                 chunks=(max(16, S.CHUNK_BYTES // dt.itemsize),))
-            _describe(d, t)
-            tables[name] = TableFile(d)
+            rows = max(16, S.CHUNK_BYTES // dt.itemsize)
+            body = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(rows,), **S.COMPRESSION)
+            tail = tails.create_dataset(name, shape=(2, rows), dtype=dt, chunks=(1, rows))
+            tables[name] = TableFile(body, tail)
+        f.attrs["tables"] = _json({name: {"description": t.description,
+                                          "columns": {c: col.description for c, col in t.columns.items()}}
+                                   for name, t in S.TABLES.items()})
+        f.attrs["commit_tables"] = list(tables)
+        commit = Commit(f.create_dataset(S.COMMIT, data=np.zeros((1 + len(tables), 3), np.int64)), tables)
         f.swmr_mode = True  # no new objects or attributes from here on
         f.flush()
     except BaseException:
         f.close()
         raise
-    return f, tables, dtypes
-
-
-def _describe(d: h5py.Dataset, t: S.Table) -> None:
-    d.attrs["description"] = t.description
-    d.attrs["columns"] = _json({name: c.description for name, c in t.columns.items()})
+    return f, tables, dtypes, commit
 
 
 def _write_requests(f: h5py.File, requests) -> None:
@@ -110,33 +146,31 @@ def _write_requests(f: h5py.File, requests) -> None:
         d.attrs["description"] = desc
 
 
-SLAB = 1 << 20  # records copied at a time when compacting
+# -- reading ---------------------------------------------------------------------------------
+def read_commit(f: h5py.File, *, refresh: bool) -> tuple[int, dict[str, tuple[int, int, int]]]:
+    """(sequence, table -> (body rows, tail rows, tail slot)) as last committed."""
+    d = f[S.COMMIT]
+    if refresh:
+        d.id.refresh()
+    c = d[()]
+    names = [x.decode() if isinstance(x, bytes) else str(x) for x in f.attrs["commit_tables"]]
+    return int(c[0, 0]), {n: (int(c[i + 1, 0]), int(c[i + 1, 1]), int(c[i + 1, 2])) for i, n in enumerate(names)}
 
 
-def compact(path: Path) -> None:
-    """Rewrite a closed, completed trace with compressed tables (same content), atomically:
-    on any failure the uncompressed original stays as it is."""
-    tmp = path.with_name(path.name + ".compact")
-    try:
-        with h5py.File(path, "r") as src, h5py.File(tmp, "w", libver=("v110", "latest")) as dst:
-            for k, v in src.attrs.items():
-                dst.attrs[k] = v
-            for name, obj in src.items():
-                if name in S.TABLES and isinstance(obj, h5py.Dataset):
-                    _copy_table(obj, dst, name)
-                else:
-                    src.copy(obj, dst, name=name)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _copy_table(src: h5py.Dataset, dst: h5py.File, name: str) -> None:
-    n = src.shape[0]
-    rows = max(16, min(max(n, 1), S.CHUNK_BYTES * 4 // src.dtype.itemsize))
-    d = dst.create_dataset(name, shape=(n,), maxshape=(None,), dtype=src.dtype, chunks=(rows,), **S.COMPRESSION)
-    for lo in range(0, n, SLAB):
-        d[lo: lo + SLAB] = src[lo: lo + SLAB]
-    for k, v in src.attrs.items():
-        d.attrs[k] = v
+def read_rows(f: h5py.File, name: str, n: int, *, refresh: bool) -> np.ndarray:
+    """The first n records of a table (n within what some commit named). Rows, once
+    committed, never change: the body only grows, and a tail slot is rewritten only
+    two commits after the one that named it, which a reader of a live file checks."""
+    body = f[name]
+    for _ in range(1000):
+        seq, commit = read_commit(f, refresh=refresh)
+        nb, nt, slot = commit[name]
+        if refresh:
+            body.id.refresh()
+        if n <= nb:
+            return body[:n]
+        head = body[:nb]
+        tail = f[S.TAILS][name][slot, : n - nb]
+        if not refresh or read_commit(f, refresh=True)[0] - seq < 2:
+            return np.concatenate([head, tail])
+    raise OSError(f"/{name} kept changing while it was read")

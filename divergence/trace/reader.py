@@ -6,10 +6,10 @@
         t.live_kv("r1", at_step=40)     # which write each (layer, position) read at step 40
         t.table("draws")                # any table of schema.TABLES, as column arrays
 
-A Trace is a snapshot: each table is read once, the steps table first, and every
-other table is cut to the steps that snapshot holds (a writer appends the steps
-last), so records read from several threads, at different times, agree.
-`refresh()` starts a new snapshot of a file that is still being written.
+A Trace is a snapshot: the commit record (schema 2; the steps table for schema 1)
+is read first, each table once, cut to what that snapshot holds, so records read
+from several threads, at different times, agree. `refresh()` starts a new snapshot
+of a file that is still being written.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from ..core.request import Sampling
 from ..errors import TraceError
 from . import schema as S
 from .h5lock import H5_LOCK
+from .layout import read_commit, read_rows
 from .layout_v1 import read_v1_table
 from .opening import FILES as _FILES, check as _check
 
@@ -212,12 +213,11 @@ class Trace:
         return out
 
     def _read_v2(self, name: str) -> dict[str, np.ndarray]:
-        if name not in self.f:
+        commit = self._once("commit", lambda: read_commit(self.f, refresh=self.swmr)[1])  # the snapshot
+        if name not in commit:
             return {}
-        d = self.f[name]
-        if self.swmr:
-            d.id.refresh()  # a live (or killed) writer appended since the file was opened
-        rec = d[()]
+        nb, nt, _ = commit[name]
+        rec = read_rows(self.f, name, nb + nt, refresh=self.swmr)
         return {k: np.ascontiguousarray(rec[k]) for k in rec.dtype.names}
 
     @property

@@ -37,6 +37,8 @@ STATUS = "status"  # int8 [1]: 0 running (or killed), 1 completed
 REQUESTS = "requests"  # fixed-size group written at run start
 VOCAB = "vocab"  # bytes + offsets of each token id decoded alone
 META = "meta"  # attrs: JSON strings settings, model, draft, environment
+TAILS = "tails"  # per table: [2, chunk rows] uncompressed rows after the body (a run still writing)
+COMMIT = "commit"  # int64 [1 + tables, 3]: (sequence, 0, 0), then (body rows, tail rows, tail slot)
 
 
 @dataclass(frozen=True)
@@ -196,8 +198,8 @@ ALIASES = {t.v1: name for name, t in TABLES.items() if t.v1 and t.v1 != name}
 # Widths of 2-D columns where a run gives none (the table then stays empty).
 DEFAULT_WIDTHS = {"top_k": 8}
 
-CHUNK_BYTES = 1 << 16  # streaming chunk size per table (uncompressed while a run writes)
-COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # when a completed trace is compacted
+CHUNK_BYTES = 1 << 14  # chunk size of each table's body (and of its tail slots)
+COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # the bodies
 
 
 def code(table: tuple, name: str) -> int:

@@ -2,11 +2,11 @@
 
 On the engine thread an event costs one list append. Every FLUSH_SECONDS (or
 FLUSH_STEPS steps) the batch is handed to a flush thread, which turns it into
-record arrays (encode.py) and appends each table with one write, the steps table
-last, then flushes the file: a reader trusts only records of steps it can see in
-/steps, so a run killed with SIGKILL leaves a readable file holding every flushed
-step, marked incomplete (`durable_steps` says how many are on disk). A completed
-trace is compacted (compressed) when it closes.
+record arrays (encode.py), appends each table with one write (layout.py: whole
+compressed chunks + a tail slot), flushes the file, then writes the commit record
+and flushes it: readers see whole flushes only, so a run killed with SIGKILL
+leaves a readable file holding every flushed step, marked incomplete
+(`durable_steps` says how many are on disk).
 """
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ class TraceWriter(Observer):
     wants_records = True
 
     def __init__(self, path, *, top_k: int = 8, kv_hashes: bool = True, kv_hash: str = S.HASH_NAME, ops=(),
-                 kernels=(), widths: dict | None = None, background: bool = True, compact: bool = True):
+                 kernels=(), widths: dict | None = None, background: bool = True):
         self.path = Path(path)
         self.top_k = top_k
         self.wants_kv_hashes = kv_hashes
@@ -63,7 +63,6 @@ class TraceWriter(Observer):
             base = S.CODE_TABLES[key]
             self.code_tables[key] = tuple(base) + tuple(o for o in dict.fromkeys(extra) if o not in base)
         self.background = background
-        self.compact = compact
         self._widths = dict(widths or {})
         self.f = None
         self.tables: dict[str, layout.TableFile] = {}
@@ -92,7 +91,7 @@ class TraceWriter(Observer):
             if isinstance(v, int) and v > 0:
                 widths.setdefault(key, v)
         with H5_LOCK:
-            self.f, self.tables, dtypes = layout.create(self.path, info, top_k=self.top_k,
+            self.f, self.tables, dtypes, self._commit = layout.create(self.path, info, top_k=self.top_k,
                                                         kv_hashes=self.wants_kv_hashes, kv_hash=self.kv_hash,
                                                         codes=self.code_tables, widths=widths)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
@@ -186,13 +185,9 @@ class TraceWriter(Observer):
         records = self._encoder.encode(batch)
         with H5_LOCK:
             for name, arrs in records.items():
-                if name != "steps":
-                    self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs))
-            self.f.flush()  # every other table on disk first: HDF5 orders no metadata between datasets
-            if "steps" in records:  # last: a step is visible only once its records are
-                steps = self.tables["steps"]
-                steps.append(np.concatenate(records["steps"]))
-                steps.ds.flush()
+                self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs))
+            self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
+            self._commit.write()
         self.durable_steps += batch.steps
 
     def _raise_if_failed(self) -> None:
@@ -216,15 +211,17 @@ class TraceWriter(Observer):
             self._stop_thread()
             with H5_LOCK:
                 try:
+                    if error is None:  # tails into the bodies: a closed trace is plain tables
+                        for t in self.tables.values():
+                            t.finish()
+                        self.f.flush()
+                        self._commit.write()
                     if completed and error is None:
                         self.f[S.STATUS][0] = 1
                         self.f.flush()
                 finally:
                     self.f.close()
                     self.f = None
-        if completed and error is None and self.compact:
-            with H5_LOCK:
-                layout.compact(self.path)
         if error is not None and raise_errors:
             raise error
 
