@@ -33,7 +33,7 @@ from .core.request import Request
 from .engine import sampling as smp
 from .engine.environment import environment
 from .engine.model import LoadedModel
-from .engine.model_state import kv_writes
+from .engine.kv_events import kv_writes
 from .record import Recorder
 
 ENGINE_NAME = "mlx-lm BatchGenerator"

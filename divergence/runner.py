@@ -23,31 +23,27 @@ class RunConfig:
     stop_at_eos: bool = True
     tp: int = 1  # tensor-parallel degree: > 1 runs inside this process's mx.distributed group
 
-
-_MODEL_CACHE: dict = {}
+    def settings(self) -> dict:
+        """The engine settings, as a trace records them (Engine.from_settings reads them)."""
+        return {"policy": self.policy, "token_budget": self.token_budget, "spec_k": self.spec_k, "top_k": self.top_k,
+                "prefix_caching": self.prefix_cache, "stop_at_eos": self.stop_at_eos, "dtype": self.dtype}
 
 
 def load_models(cfg: RunConfig):
-    """(target, draft or None), loaded once per (path, dtype) in this process."""
-    from .engine.model import load_model
+    """(target, draft or None), from the engine's one per-process model cache."""
+    from .engine.model import load_cached
 
-    def get(path):
-        key = (str(Path(path).resolve()), cfg.dtype)
-        if key not in _MODEL_CACHE:
-            _MODEL_CACHE[key] = load_model(path, dtype=cfg.dtype)
-        return _MODEL_CACHE[key]
-
-    target = get(cfg.model)
-    draft = get(cfg.draft) if cfg.draft and cfg.spec_k else None
+    target = load_cached(cfg.model, dtype=cfg.dtype)
+    draft = load_cached(cfg.draft, dtype=cfg.dtype) if cfg.draft and cfg.spec_k else None
     return target, draft
 
 
-def make_engine(cfg: RunConfig, target, draft, observers=()):
+def make_engine(cfg: RunConfig, observers=()):
+    """The engine of a run config: Engine.from_settings, models from the shared cache."""
     from .engine.engine import Engine
 
-    return Engine(target, draft, policy=cfg.policy, spec_k=cfg.spec_k, token_budget=cfg.token_budget,
-                  top_k=cfg.top_k, prefix_caching=cfg.prefix_cache, stop_at_eos=cfg.stop_at_eos,
-                  observers=list(observers), tp=_tp_group(cfg))
+    return Engine.from_settings(cfg.settings(), model_dir=cfg.model, draft_dir=cfg.draft if cfg.spec_k else None,
+                                observers=observers, tp=_tp_group(cfg))
 
 
 def _tp_group(cfg: RunConfig):
@@ -95,7 +91,7 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
     """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}."""
     from .trace.writer import TraceWriter
 
-    engine = make_engine(cfg, target, draft)
+    engine = make_engine(cfg)
     validate(engine, requests)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -130,42 +130,22 @@ def check_replayable(trace) -> None:
 
 
 class Replayer:
-    """Loads models once and replays traces made with them."""
+    """Replays traces; models come from the engine's one per-process cache."""
 
     def __init__(self, *, model_dir=None, draft_dir=None):
         self.model_dir = model_dir
         self.draft_dir = draft_dir
-        self._models: dict = {}
-
-    def _load(self, info: dict, override) -> object:
-        from ..engine.model import load_model
-
-        path = Path(override or info["path"])
-        key = (str(path), info.get("dtype"))
-        if key not in self._models:
-            if not path.exists():
-                raise ReplayError(f"the trace's model {path} does not exist here (pass --model DIR)")
-            self._models[key] = load_model(path, dtype=info.get("dtype"))
-        m = self._models[key]
-        if m.weights_hash != info.get("weights_hash"):
-            raise ReplayError(f"model weights at {path} differ from the ones the trace was recorded with "
-                              f"({m.weights_hash[:12]} vs {str(info.get('weights_hash'))[:12]})")
-        return m
 
     def engine_for(self, trace, *, observers=()):
         from ..engine.engine import Engine
 
         check_replayable(trace)
         meta = trace.meta
-        s = meta["settings"]
-        target = self._load(meta["model"], self.model_dir)
-        draft = self._load(meta["draft"], self.draft_dir) if meta.get("draft") and s.get("spec_k") else None
         from ..engine.tp import group_for
 
-        return Engine(target, draft, policy=s["policy"], token_budget=s["token_budget"], spec_k=s["spec_k"],
-                      top_k=s["top_k"], block_size=s["block_size"], stop_at_eos=s.get("stop_at_eos", True),
-                      prefix_caching=bool(s.get("prefix_caching", False)), observers=list(observers),
-                      tp=group_for(trace))
+        return Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
+                                    model_dir=self.model_dir, draft_dir=self.draft_dir, observers=observers,
+                                    tp=group_for(trace))
 
     def run(self, trace, *, forced=None, observers=(), tap=None, stop_after: int | None = None):
         """Replay in memory; returns the engine's RunResult. tap: an engine.replay.OpTap that

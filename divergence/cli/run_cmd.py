@@ -71,7 +71,7 @@ def main(args) -> int:
         raise PromptError(f"--out {out} exists and is not a directory")
     from ..runner import make_engine, validate
 
-    validate(make_engine(cfg, target, draft), requests)
+    validate(make_engine(cfg), requests)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     from ..blas import blas_in_use
 

@@ -31,7 +31,7 @@ def main(args) -> int:
     policy = args.policy or ("threshold:4" if args.model is None else "native")
     cfg = RunConfig(model=args.model or target_dir, dtype=args.dtype, policy=policy)
     target, _ = load_models(cfg)
-    engine = make_engine(cfg, target, None)
+    engine = make_engine(cfg)
 
     def progress(i, n):
         if not args.json:

@@ -169,7 +169,7 @@ class RunInfo:
 class Observer:
     """Receives engine events. Subclasses override what they need.
 
-    `wants_kv_hashes` / `wants_topk` / `wants_kernels` / `wants_routing` / `wants_records`: the engine
+    `wants_kv_hashes` / `wants_kernels` / `wants_routing` / `wants_records`: the engine
     skips that work when no observer asks, so an unobserved run pays nothing for tracing.
 
     `on_record(table, **columns)` carries records of any trace table
@@ -184,7 +184,6 @@ class Observer:
     """
 
     wants_kv_hashes: bool = False
-    wants_topk: bool = False
     wants_kernels: bool = False
     wants_routing: bool = False
     wants_records: bool = False

@@ -92,9 +92,14 @@ class PackedForward:
         return prepare_step(plan, blocks, dispatch.attention_kernel(plan.index, batchable_count(plan)))
 
     def __call__(self, plan: StepPlan, cache: PagedKVCache, blocks: BlockManager, dispatch: KernelDispatcher, *,
-                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:
-        return self.execute(self.prepare(plan, blocks, dispatch), cache, dispatch, keep_kv=keep_kv,
-                            keep_routing=keep_routing, tap=tap)
+                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None,
+                 tokens: mx.array | None = None) -> StepOutput:
+        """tokens: the step's input ids when some are still on the device (the engine queues a
+        step before the one feeding it has returned; the plan then holds placeholders)."""
+        prep = self.prepare(plan, blocks, dispatch)
+        if tokens is not None:
+            prep.tokens = tokens
+        return self.execute(prep, cache, dispatch, keep_kv=keep_kv, keep_routing=keep_routing, tap=tap)
 
     def execute(self, prep: PreparedStep, cache: PagedKVCache, dispatch: KernelDispatcher, *,
                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:

@@ -34,7 +34,6 @@ class BlockManager:
         self.origin: dict[int, tuple[str, int]] = {}  # cached block -> (request that wrote it, first position)
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but still cached, LRU first
         self.hits = 0  # prompt tokens served from the prefix cache
-        self.lookups = 0  # prompt tokens looked up
 
     # -- capacity -------------------------------------------------------------
     @property
@@ -106,7 +105,6 @@ class BlockManager:
         if not self.prefix_caching:
             return 0
         full = (len(prompt) - 1) // self.block_size
-        self.lookups += len(prompt)
         table = self.tables.setdefault(request_id, [])
         assert not table, "match_prefix must come before allocate"
         for h in self._chain(prompt, full):

@@ -121,3 +121,23 @@ def load_model(path, *, dtype: str | None = None) -> LoadedModel:
 def _model_dtype(model) -> str:
     norm = model.model.norm.weight
     return str(norm.dtype).replace("mlx.core.", "")
+
+
+_CACHE: dict[tuple[str, str | None], LoadedModel] = {}
+
+
+def load_cached(path, *, dtype: str | None = None) -> LoadedModel:
+    """load_model, once per (directory, dtype) in this process: the one model cache that
+    the runner, replay and Engine.from_settings share. A model loaded as stored is reused
+    for a request of its own dtype."""
+    resolved = str(Path(path).expanduser().resolve())
+    m = _CACHE.get((resolved, dtype))
+    if m is None and dtype is not None:
+        m = _CACHE.get((resolved, None))
+        if m is not None and m.dtype != dtype:
+            m = None
+    if m is None:
+        m = load_model(path, dtype=dtype)
+        _CACHE[(resolved, dtype)] = m
+        _CACHE.setdefault((resolved, m.dtype), m)
+    return m

@@ -1,18 +1,14 @@
 """One model's share of a run: its forward, paged KV cache and kernel dispatcher,
 how one step plan is executed on them (whole, or request by request when replay
-forces SOLO), and the KV writes a step made, as hashed events."""
+forces SOLO). The KV writes a step made, as hashed events: kv_events.py."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 import mlx.core as mx
-import numpy as np
-
-from ..core.hashing import hash_rows
 from ..core.policy import KernelPolicy
-from .bits import raw_rows
 from .dispatch import KernelDispatcher
-from ..core.events import KvWrite, StepPlan
+from ..core.events import StepPlan
 from .forward import PackedForward, StepOutput
 from .kv_cache import BlockManager
 from .model import LoadedModel
@@ -36,20 +32,23 @@ class ModelState:
 
             attach(self.dispatch, forward.tp)
 
-    def forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False) -> StepOutput:
-        out = self._forward_step(plan, keep_kv=keep_kv, keep_routing=keep_routing)
+    def forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False,
+                     tokens: mx.array | None = None) -> StepOutput:
+        """tokens: input ids still on the device (see PackedForward.__call__)."""
+        out = self._forward_step(plan, keep_kv=keep_kv, keep_routing=keep_routing, tokens=tokens)
         tp = getattr(self.forward, "tp", None)
         if keep_kv and tp is not None:  # hash K/V as one device holds them: all heads
             out = replace(out, k_written=tp.gather_heads(out.k_written), v_written=tp.gather_heads(out.v_written))
         return out
 
-    def _forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False) -> StepOutput:
+    def _forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False,
+                      tokens: mx.array | None = None) -> StepOutput:
         """The step's forward pass (lazy). A step forced SOLO runs each slice in its own
         pass, evaluated before the next, exactly as a step holding only that slice;
         outputs are joined in slice order."""
         if not (self.dispatch.solo(plan.index) and len(plan.slices) > 1):
             return self.forward(plan, self.cache, self.blocks, self.dispatch, keep_kv=keep_kv,
-                                keep_routing=keep_routing, tap=self.tap)
+                                keep_routing=keep_routing, tap=self.tap, tokens=tokens)
         parts = []
         for s in plan.slices:
             alone = StepPlan(plan.index, plan.model, (replace(s, row_offset=0),))
@@ -65,26 +64,3 @@ class ModelState:
         return StepOutput(logits, mx.concatenate([p.k_written for p in parts], axis=1),
                           mx.concatenate([p.v_written for p in parts], axis=1), routing)
 
-
-def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWrite]:
-    """The step's KV writes, one per (slice, layer), with per-position hashes of the
-    exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order. Hashed
-    for the whole step at once (per slice was measurably slower)."""
-    kh, vh = kv_hashes(k, v)
-    layers = k.shape[0]
-    out = []
-    for s in plan.slices:
-        r0, r1 = s.row_offset, s.row_offset + s.count
-        for layer in range(layers):
-            out.append(KvWrite(plan.index, model, s.request_id, layer, s.start, s.count, kh[layer, r0:r1],
-                               vh[layer, r0:r1]))
-    return out
-
-
-def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
-    """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads),
-    for a whole step in one call; k, v: [layers, T, kv_heads, head_dim]."""
-    layers, rows = k.shape[0], k.shape[1]
-    kh = hash_rows(raw_rows(k.reshape(layers * rows, -1))).reshape(layers, rows)
-    vh = hash_rows(raw_rows(v.reshape(layers * rows, -1))).reshape(layers, rows)
-    return kh, vh

@@ -15,10 +15,10 @@ import numpy as np
 
 from . import sampling as smp
 from .dispatch import KernelPolicy
-from .engine import Engine, RequestOutput, RunResult, _Run
-from ..core.events import DRAFT_MODEL, PREFILL, RequestEvent, StepEvent, StepPlan, TokenEvent
+from .engine import Engine, RequestOutput, RunResult
+from ..core.events import DRAFT_MODEL, RequestEvent, StepPlan
+from ..core.names import DRAW_PURPOSES
 from ..core.request import Request
-from .sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -90,19 +90,12 @@ def replay_plans(
     """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
     op outputs for one request. stop_after: end after that step."""
     plans, sites, forced = relayout(plans, sites, dict(forced or {}), requests)
-    run = _Run(engine, requests, "serial", {})
-    run.schedule = schedule  # recorded under the original schedule's name
-    run.target.blocks.prefix_caching = engine.prefix_caching or schedule == "warm"
-    for state in (run.target, run.draft):
-        if state is not None:
-            state.dispatch.forced = dict(forced or {})
+    run = engine.recorded_run(requests, schedule, forced=forced)  # recorded under the original schedule's name
     last_seen: dict[str, int] = {}
-    for p in plans:
-        for s in p.slices:
-            last_seen[s.request_id] = p.index
     reserve = {r.id: 0 for r in requests}
     for p in plans:
         for s in p.slices:
+            last_seen[s.request_id] = p.index
             reserve[s.request_id] = max(reserve[s.request_id], s.start + s.count)
     by_step: dict[int, list[TokenSite]] = {}
     for site in sites:
@@ -113,44 +106,25 @@ def replay_plans(
 
     e = engine
     t0 = time.perf_counter()
-    e._emit("on_run_start", run.info())
+    run.start()
     completed = False
     try:
         for plan in plans:
-            state = run.draft if plan.model == DRAFT_MODEL else run.target
-            if state is None:
-                raise ValueError("the trace has draft steps but no draft model was given")
-            for s in plan.slices:
-                if s.request_id not in state.blocks.tables:
-                    _admit(run, state, req_by_id[s.request_id], reserve[s.request_id], s.start)
             tapping = tap is not None and plan.index == tap.step
-            if tapping:
-                state.tap = tap.bind(plan)
-            try:
-                _, greedy, logits_np = run._forward(state, plan)
-            finally:
-                if tapping:
-                    state.tap = None
+            launch, sampled = run.step_recorded(plan, reserve, tap=tap.bind(plan) if tapping else None)
             if tapping:
                 tap.finish()
-            if state.blocks.prefix_caching:
-                for s in plan.slices:
-                    if s.phase == PREFILL:
-                        state.blocks.register_prefix(s.request_id, req_by_id[s.request_id].prompt_tokens,
-                                                     s.start + s.count)
             if plan.model != DRAFT_MODEL:
-                _emit_sites(run, plan, by_step.get(plan.index, ()), greedy, logits_np, req_by_id, generated, topk)
+                _emit_sites(run, plan, by_step.get(plan.index, ()), sampled, req_by_id, generated, topk)
             for rid, last in last_seen.items():
                 if last == plan.index and plan.model != DRAFT_MODEL:
-                    e._emit("on_request", RequestEvent(plan.index, rid, "finished", "replayed"))
-            e._emit("on_step", StepEvent(plan, run._last_duration))
-            run.step = plan.index + 1
-            run.target_steps += plan.model != DRAFT_MODEL
+                    run.emit_request(RequestEvent(plan.index, rid, "finished", "replayed"))
+            run.close(launch)
             if stop_after is not None and plan.index >= stop_after:
                 break
         completed = stop_after is None
     finally:
-        e._emit("on_run_end", completed)
+        run.end(completed)
     outputs = {
         r.id: RequestOutput(r.id, list(r.prompt_tokens), generated[r.id], e.decode(generated[r.id]), "replayed",
                             topk_ids=topk[r.id][0], topk_logits=topk[r.id][1])
@@ -159,25 +133,7 @@ def replay_plans(
     return RunResult(schedule, str(e.policy), outputs, len(plans), run.target_steps, time.perf_counter() - t0)
 
 
-def _admit(run, state, req: Request, reserve: int, first_start: int) -> None:
-    """Give a request its blocks as the recording did: a recorded run that started past
-    position 0 found its prefix in the cache, and so does the replay (same plans, same order)."""
-    if first_start and state.blocks.prefix_caching and state.name != DRAFT_MODEL:
-        # at most what the recording found: a forced replay (relayout) may have cached more
-        matched = state.blocks.match_prefix(req.id, req.prompt_tokens[: first_start + 1])
-        if matched != first_start:
-            raise ValueError(f"replay of {req.id!r}: prefix cache holds {matched} tokens, the recording had "
-                             f"{first_start}")
-        state.blocks.allocate(req.id, reserve)
-        if run.want_kv:
-            seq = Sequence(req)
-            seq.num_cached = matched
-            run._emit_shared_kv(seq)
-        return
-    state.blocks.allocate(req.id, reserve)
-
-
-def _emit_sites(run, plan, sites, greedy, logits_np, req_by_id, generated, topk) -> None:
+def _emit_sites(run, plan, sites, sampled, req_by_id, generated, topk) -> None:
     # Logit row of (request, predicted position): rows come in slice order.
     row_of, r = {}, 0
     for s in plan.slices:
@@ -188,16 +144,12 @@ def _emit_sites(run, plan, sites, greedy, logits_np, req_by_id, generated, topk)
         r = row_of.get((site.request_id, site.position))
         if r is None:
             continue
-        req = req_by_id[site.request_id]
-        if req.sampling.greedy:
-            tok = int(greedy[r])
-        else:
-            tok = smp.draw(smp.probs(logits_np[r], req.sampling), smp.uniform(req.sampling, site.position))
-        ids, vals = smp.topk(logits_np[r : r + 1], run.e.top_k)
+        tok = smp.choose(req_by_id[site.request_id].sampling, sampled, r, site.position)
+        ev = smp.token_event(plan.index, site.request_id, site.position, tok, site.spec, sampled, r)
         generated[site.request_id].append(tok)
-        topk[site.request_id][0].append(ids[0])
-        topk[site.request_id][1].append(vals[0])
-        run.e._emit("on_token", TokenEvent(plan.index, site.request_id, site.position, tok, site.spec, ids[0], vals[0]))
+        topk[site.request_id][0].append(ev.topk_ids)
+        topk[site.request_id][1].append(ev.topk_logits)
+        run.emit_token(ev)
 
 
 def recorded_draws(trace) -> dict[tuple[str, int, str], float]:

@@ -1,31 +1,113 @@
 """Turning logits into tokens, independently of what else is in the batch.
 
-Greedy is mlx-lm's own rule (argmax of logits - logsumexp, in the model dtype,
-one row at a time), so near-ties break exactly as mlx-lm breaks them. Sampling
-draws its uniform number from a generator keyed by (seed, position, purpose):
-a request's samples never depend on its batch, its step, or call order.
+Greedy is mlx-lm's own rule (argmax of logits - logsumexp, in the model dtype),
+so near-ties break exactly as mlx-lm breaks them; it runs on the device for all
+logit rows in one graph (bitwise the row-by-row result: tests/engine/
+test_sampling.py). Only [rows] token ids, [rows, k] top-k ids and values and the
+chosen token's logit go to the host; full logits only for rows that sample.
+
+Sampling draws its uniform number from a generator keyed by (seed, position,
+purpose): a request's samples never depend on its batch, its step, or call order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
+from ..core.events import TokenEvent
 from ..core.request import Sampling
 
-PURPOSE_SAMPLE = 0
-PURPOSE_ACCEPT = 1
-PURPOSE_RESIDUAL = 2
+PURPOSE_SAMPLE = 0  # the token of a position (plain sampling, or the bonus token after k accepts)
+PURPOSE_ACCEPT = 1  # the accept/reject test of a draft proposal
+PURPOSE_RESIDUAL = 2  # the draw from the residual after a rejection
+PURPOSE_DRAFT = 3  # the draft model's own proposal
 
 
-def greedy_rows(logits: mx.array) -> mx.array:
-    """argmax per row, computed row by row as mlx-lm's generate_step does."""
-    out = []
-    for i in range(logits.shape[0]):
-        row = logits[i : i + 1]
-        out.append(mx.argmax(row - mx.logsumexp(row, keepdims=True), axis=-1))
-    return mx.concatenate(out) if out else mx.zeros((0,), dtype=mx.uint32)
+@dataclass
+class DeviceSample:
+    """A step's sampling results, still on the device (lazy until evaluated)."""
+
+    ids: mx.array  # [R] mlx-lm's greedy token per logit row
+    top_ids: mx.array | None  # [R, k] the k largest logits' ids (unordered)
+    top_vals: mx.array | None  # [R, k] their values, float32
+    chosen: mx.array | None  # [R] float32: the logit of ids
+    full: mx.array | None  # [S, vocab] float32: the rows that sample with temperature
+    full_rows: tuple[int, ...] = ()
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.ids, self.top_ids, self.top_vals, self.chosen, self.full) if a is not None]
+
+
+def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: bool = True) -> DeviceSample:
+    """One graph for every logit row: greedy ids, top-k and the chosen logit; full fp32
+    logits only for `full_rows` (rows whose request samples with temperature)."""
+    rows = logits.shape[0]
+    if rows == 0:
+        z = mx.zeros((0,), dtype=mx.uint32)
+        return DeviceSample(z, None, None, None, None, ())
+    # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
+    ids = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    top_ids = top_vals = chosen = None
+    if want_topk:
+        k = min(top_k, logits.shape[-1])
+        top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+        top_vals = mx.take_along_axis(logits, top_ids, axis=-1).astype(mx.float32)
+        chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(mx.float32)
+    full = None
+    full_rows = tuple(full_rows)
+    if full_rows:
+        full = logits[mx.array(np.asarray(full_rows, dtype=np.int32))].astype(mx.float32)
+    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows)
+
+
+@dataclass
+class Sampled:
+    """A step's sampling results on the host."""
+
+    ids: np.ndarray  # [R] int64
+    top_ids: np.ndarray | None = None  # [R, k] int32, best first, ties by lower id
+    top_vals: np.ndarray | None = None  # [R, k] float32
+    chosen: np.ndarray | None = None  # [R] float32
+    full: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab]
+
+    def logits(self, row: int) -> np.ndarray:
+        """The full float32 logits of a row that samples."""
+        return self.full[row]
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        return np.stack([self.full[r] for r in range(r0, r1)])
+
+
+def to_host(ds: DeviceSample) -> Sampled:
+    """Copy a (evaluated or not) DeviceSample to the host; sorts the small top-k there."""
+    ids = np.array(ds.ids).astype(np.int64)
+    out = Sampled(ids)
+    if ds.top_ids is not None:
+        part = np.array(ds.top_ids).astype(np.int32)
+        vals = np.array(ds.top_vals)
+        order = np.lexsort((part, -vals), axis=-1)
+        out.top_ids = np.take_along_axis(part, order, axis=-1)
+        out.top_vals = np.take_along_axis(vals, order, axis=-1)
+        out.chosen = np.array(ds.chosen)
+    if ds.full is not None:
+        full = np.array(ds.full)
+        out.full = {r: full[i] for i, r in enumerate(ds.full_rows)}
+    return out
+
+
+def choose(sampling: Sampling, sampled: Sampled, row: int, position: int) -> int:
+    """The token a request takes at `position` from logit row `row`: greedy or a keyed draw."""
+    if sampling.greedy:
+        return int(sampled.ids[row])
+    return draw(probs(sampled.logits(row), sampling), uniform(sampling, position))
+
+
+def token_event(step: int, request_id: str, position: int, token: int, spec: int, sampled: Sampled,
+                row: int) -> TokenEvent:
+    """The event of a committed token, with its logit row's top-k (one place for engine and replay)."""
+    return TokenEvent(step, request_id, position, int(token), spec, sampled.top_ids[row], sampled.top_vals[row])
 
 
 def uniform(sampling: Sampling, position: int, purpose: int = PURPOSE_SAMPLE) -> float:
@@ -55,7 +137,8 @@ def draw(p: np.ndarray, u: float) -> int:
 
 
 def topk(logits_f32: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k ids and logits per row, best first; ties broken by lower id."""
+    """Top-k ids and logits per row of host logits, best first; ties broken by lower id
+    (for engines whose logits are already on the host, e.g. the mlx-lm adapter)."""
     k = min(k, logits_f32.shape[-1])
     part = np.argpartition(-logits_f32, k - 1, axis=-1)[:, :k]
     vals = np.take_along_axis(logits_f32, part, axis=-1)
@@ -65,9 +148,6 @@ def topk(logits_f32: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- what a draw decided, for the trace (the sampler's side of a diagnosis) ---------------
-
-PURPOSE_DRAFT = 3  # the draft model's own proposal
-
 
 @dataclass(frozen=True)
 class Draw:

@@ -170,7 +170,7 @@ class _DirSubject:
         __tracebackhide__ = True
         from ..runner import make_engine
 
-        engine = make_engine(self.cfg, self.target, self.draft)  # refuses a bad budget / spec_k
+        engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
         for r in requests:
             msg = engine.check(r)
             if msg:

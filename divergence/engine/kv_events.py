@@ -1,0 +1,85 @@
+"""KV writes as events: per-position hashes of the exact bytes a step stored, and the
+writes a prefix hit inherits from the request that computed the shared blocks.
+
+Public: `kv_writes` is also what the mlx-lm adapter (divergence.mlxlm_batch) uses,
+so its traces hash K/V exactly as the engine's do.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.events import TARGET, KvWrite, StepPlan
+from ..core.hashing import hash_rows
+from .bits import raw_rows
+
+
+def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
+    """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads),
+    for a whole step in one call; k, v: [layers, T, kv_heads, head_dim]."""
+    layers, rows = k.shape[0], k.shape[1]
+    kh = hash_rows(raw_rows(k.reshape(layers * rows, -1))).reshape(layers, rows)
+    vh = hash_rows(raw_rows(v.reshape(layers * rows, -1))).reshape(layers, rows)
+    return kh, vh
+
+
+def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWrite]:
+    """The step's KV writes, one per (slice, layer), with per-position hashes of the
+    exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order."""
+    kh, vh = kv_hashes(k, v)
+    out = []
+    for s in plan.slices:
+        r0, r1 = s.row_offset, s.row_offset + s.count
+        for layer in range(kh.shape[0]):
+            out.append(KvWrite(plan.index, model, s.request_id, layer, s.start, s.count, kh[layer, r0:r1],
+                               vh[layer, r0:r1]))
+    return out
+
+
+class KvLog:
+    """Which step wrote each (layer, position) of each request, and its hashes: what a
+    prefix hit reads was written by another request, in another step."""
+
+    def __init__(self, layers: int):
+        self.layers = layers
+        self._log: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def record(self, writes: list[KvWrite]) -> None:
+        for w in writes:
+            step, kh, vh = self._room(w.request_id, w.start + w.count)
+            sl = slice(w.start, w.start + w.count)
+            step[w.layer, sl], kh[w.layer, sl], vh[w.layer, sl] = w.step, w.k_hashes, w.v_hashes
+
+    def _room(self, rid: str, length: int):
+        cur = self._log.get(rid)
+        if cur is None or cur[0].shape[1] < length:
+            cap = max(length, 2 * (cur[0].shape[1] if cur else 0), 64)
+            new = (np.full((self.layers, cap), -1, np.int64), np.zeros((self.layers, cap), np.uint64),
+                   np.zeros((self.layers, cap), np.uint64))
+            if cur is not None:
+                n = cur[0].shape[1]
+                for a, b in zip(new, cur):
+                    a[:, :n] = b
+            self._log[rid] = cur = new
+        return cur
+
+    def shared(self, request_id: str, sources: list[tuple[str, int]], block_size: int) -> list[KvWrite]:
+        """The writes a request inherits: sources[i] = (owner, first position) of the block that
+        holds its positions [i*bs, (i+1)*bs). One KvWrite per layer and run of positions that
+        one step wrote (as arrays, not one event per position)."""
+        if not sources:
+            return []
+        cols = [self._log[owner] for owner, _ in sources]
+        idx = [np.arange(p0, p0 + block_size) for _, p0 in sources]
+        step = np.concatenate([c[0][:, i] for c, i in zip(cols, idx)], axis=1)
+        kh = np.concatenate([c[1][:, i] for c, i in zip(cols, idx)], axis=1)
+        vh = np.concatenate([c[2][:, i] for c, i in zip(cols, idx)], axis=1)
+        assert (step >= 0).all(), "a shared block holds positions no step recorded"
+        out = []
+        for layer in range(self.layers):
+            s = step[layer]
+            cuts = np.flatnonzero(np.diff(s)) + 1
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(s)]):
+                out.append(KvWrite(int(s[a]), TARGET, request_id, layer, int(a), int(b - a), kh[layer, a:b].copy(),
+                                   vh[layer, a:b].copy()))
+        return out

@@ -1,0 +1,451 @@
+"""One run of a request list: the step loop, and the public steps replay drives.
+
+The loop reads: schedule -> launch (forward + sampling queued on the device) ->
+collect (wait for the [rows] token ids) -> commit (scheduler bookkeeping, tokens)
+-> events. While a decode step computes, the next one is already built and
+queued when the schedule allows (mlx-lm's generate_step does the same with
+mx.async_eval); a speculative round queues all its draft steps and the verify
+before its one host sync, when every request in it is greedy.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+
+from ..core.events import (
+    DRAFT_MODEL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, KernelChoice, RequestEvent, RunInfo,
+    StepEvent, StepPlan,
+)
+from ..core.names import CONCURRENT, SERIAL, WARM, WARMUP_PREFIX
+from ..core.request import Request
+from . import sampling as smp
+from .environment import environment
+from .kv_events import KvLog, kv_writes
+from .model_state import ModelState
+from .moe import routing_events
+from .results import RequestOutput, RunResult
+from .scheduler import PENDING, Scheduler, Work, admit_recorded
+from .sequence import Sequence
+from .speculative import Proposal, accept_greedy, accept_sampled
+
+
+@dataclass
+class Launch:
+    """A step whose forward pass and sampling are queued on the device."""
+
+    plan: StepPlan
+    state: ModelState
+    sample: smp.DeviceSample
+    k: mx.array | None
+    v: mx.array | None
+    routing: list | None  # MoE layers' router choices (moe.LayerRouting), when asked
+    kernels: list[tuple[str, object]]  # (on_kernel | on_allreduce, event), emitted at collect
+    t0: float
+    duration: float = 0.0
+
+
+@dataclass
+class _Round:
+    """A speculative round's draft steps, queued but not collected."""
+
+    launches: list[tuple[Launch, list[Sequence]]] = field(default_factory=list)
+
+
+class Run:
+    """One execution of a request list; holds all per-run state.
+
+    `execute()` schedules and runs everything. Replay drives the same object step by
+    step instead: `start()`, then per recorded plan `step_recorded(plan, reserve)` and
+    `close(launch)`, emitting its tokens with `emit_token`, then `end(completed)`.
+    """
+
+    def __init__(self, engine, requests: list[Request], schedule: str, *, bad: dict[str, str] | None = None,
+                 forced: dict | None = None, recorded: bool = False):
+        self.e = engine
+        self.schedule = schedule
+        self.requests = list(requests)
+        self.bad = dict(bad or {})
+        self.seqs = [Sequence(r) for r in requests if r.id not in self.bad]
+        extra = engine.spec_k + 1
+        # warm needs room for its warm-up copies too (replay's requests already hold them)
+        factor = 2 if schedule == WARM and not recorded else 1
+        need = factor * sum(-(-(s.prompt_len + s.request.max_tokens + extra) // engine.block_size)
+                            for s in self.seqs)
+        num_blocks = engine.num_blocks or max(need, 1)
+        self.want_kv = engine._wants("wants_kv_hashes")
+        self.want_routing = engine._wants("wants_routing")
+        self._kbuf: list[tuple[str, object]] | None = None
+        emit_k = self._on_kernel if engine._wants("wants_kernels") else None
+        prefix = engine.prefix_caching or schedule == WARM
+        self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
+                                 engine.block_size, prefix, emit_k)
+        self.draft = None
+        if engine.draft is not None:
+            self.draft = ModelState(engine.draft, engine._draft_fwd, engine.policy, DRAFT_MODEL, num_blocks,
+                                    engine.block_size, False, emit_k)
+        for st in (self.target, self.draft):
+            if st is not None:
+                st.dispatch.forced = dict(forced or {})
+        # warm: the cache is first filled by other requests (the same prompts, batched),
+        # then the requests run serially on top of it: "cold vs warm" as one more schedule.
+        self.phases = [(self.seqs, schedule)]
+        if schedule == WARM and not recorded:
+            warm = [Sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1)) for q in self.seqs]
+            self.phases = [(warm, CONCURRENT), (self.seqs, SERIAL)]
+            self.requests = [q.request for q in warm] + self.requests
+        self.kv_log = KvLog(self.target.forward.num_layers)
+        self.by_id = {r.id: r for r in self.requests}
+        self.step = 0  # index of the next step to plan
+        self.target_steps = 0
+        self.proposals: dict[str, Proposal] = {}
+        self.outputs: dict[str, RequestOutput] = {}
+        self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
+        self._done_at = 0.0  # when the last collected step's results arrived
+        self._t0 = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def info(self) -> RunInfo:
+        e = self.e
+        return RunInfo(schedule=self.schedule, policy=str(e.policy), settings=e.settings(), requests=self.requests,
+                       model=e.target.describe(), draft=e.draft.describe() if e.draft else None,
+                       environment=environment(), vocab=e.vocab_pieces() if e.observers else ())
+
+    def start(self) -> None:
+        self._t0 = self._done_at = time.perf_counter()
+        self.e._emit("on_run_start", self.info())
+        for rid, msg in self.bad.items():
+            self.e._emit("on_request", RequestEvent(0, rid, "error", msg))
+
+    def end(self, completed: bool) -> None:
+        self.e._emit("on_run_end", completed)
+
+    def execute(self) -> RunResult:
+        self.start()
+        completed = False
+        try:
+            for seqs, schedule in self.phases:
+                self._drain(Scheduler(seqs, schedule=schedule, token_budget=self.e.token_budget,
+                                      blocks=self.target.blocks, draft_blocks=self.draft.blocks if self.draft else None,
+                                      spec_k=self.e.spec_k))
+            completed = True
+        finally:
+            self.end(completed)
+        for r in self.requests:
+            if r.id.startswith(WARMUP_PREFIX):
+                self.outputs.pop(r.id, None)  # the warm-up is part of the schedule, not a result
+                continue
+            self.outputs.setdefault(r.id, RequestOutput(r.id, list(r.prompt_tokens), [], "", "error",
+                                                        error=self.bad.get(r.id, "not run")))
+        held = self.target.blocks.in_use + (self.draft.blocks.in_use if self.draft else 0)
+        return RunResult(self.schedule, str(self.e.policy), self.outputs, self.step, self.target_steps,
+                         time.perf_counter() - self._t0, held, self.target.blocks.hits)
+
+    # -- the step loop -------------------------------------------------------------------
+    def _drain(self, sched: Scheduler) -> None:
+        """Run one scheduler's requests to completion."""
+        clock = 0
+        ahead: Launch | None = None  # the next decode step, queued before this one's tokens came back
+        while not sched.done():
+            work, admitted = sched.schedule(clock)
+            if not work:  # idle until the next arrival
+                clock = max(clock + 1, sched.next_arrival() or 0)
+                continue
+            self._arrived(admitted)
+            decoding = [w.seq for w in work if not w.prefill]
+            if self.draft is not None and decoding:
+                self._spec_round(sched, work, decoding)
+            else:
+                plan = sched.target_plan(self.step, work)
+                if ahead is not None and _same_layout(ahead.plan, plan):
+                    launch, launch.plan = ahead, plan  # the guess holds: its input tokens were right
+                else:
+                    launch = self.launch(self.target, plan, full_rows=self.full_rows(plan))
+                self.step += 1
+                ahead = None
+                nxt = sched.next_decode(work, clock) if self.e.overlap else None
+                if nxt is not None and all(w.seq.request.sampling.greedy for w in nxt):
+                    ahead = self._launch_ahead(sched, launch, nxt)
+                sampled = self.collect(launch)
+                self._commit(sched, launch, sampled)
+            clock += 1
+
+    def _launch_ahead(self, sched: Scheduler, launch: Launch, nxt: list[Work]) -> Launch:
+        """Queue the next decode step, its input tokens taken on the device from this one."""
+        plan = sched.target_plan(self.step, nxt, ahead=1)
+        row = {sl.request_id: i for i, sl in enumerate(launch.plan.slices)}  # all-decode: one row a slice
+        idx = mx.array([row[w.seq.id] for w in nxt], dtype=mx.int32)
+        return self.launch(self.target, plan, tokens=launch.sample.ids[idx])
+
+    def _spec_round(self, sched: Scheduler, work: list[Work], decoding: list[Sequence]) -> None:
+        """k draft steps batched across the decoding sequences, then one verify step. With
+        only greedy requests every step is queued before the one host sync (the draft's
+        proposals feed the next draft step and the verify on the device)."""
+        ks = {s.id: sched.draft_len(s) for s in decoding}
+        lazy = self.e.overlap and all(s.request.sampling.greedy for s in decoding)
+        props = {s.id: Proposal([], []) for s in decoding}
+        last: dict[str, int] = {}
+        queued = _Round()
+        prev: Launch | None = None
+        prev_row: dict[str, int] = {}
+        for j in range(max(ks.values())):
+            seqs = [s for s in decoding if ks[s.id] > j]
+            plan = sched.draft_plan(self.step, seqs, j, last)
+            tokens = None
+            if j and lazy:
+                tokens = prev.sample.ids[mx.array([prev_row[s.id] for s in seqs], dtype=mx.int32)]
+            full = [i for i, s in enumerate(seqs) if not s.request.sampling.greedy]
+            launch = self.launch(self.draft, plan, tokens=tokens, full_rows=full, want_topk=False)
+            self.step += 1
+            sched.computed(plan)
+            if lazy:
+                queued.launches.append((launch, seqs))
+                prev, prev_row = launch, {s.id: i for i, s in enumerate(seqs)}
+                last = {s.id: PENDING for s in seqs}
+                continue
+            sampled = self.collect(launch)
+            for i, s in enumerate(seqs):
+                tok, q = self._propose_one(s, sampled, i, len(s.tokens) + j)
+                props[s.id].tokens.append(tok)
+                props[s.id].q.append(q)
+                last[s.id] = tok
+            self.close(launch)
+        if lazy:
+            plan = sched.target_plan(self.step, work, {s.id: (PENDING,) * ks[s.id] for s in decoding})
+            verify = self.launch(self.target, plan, tokens=self._verify_tokens(plan, queued))
+            self._collect_round(queued, props)
+            verify.plan = _with_tokens(verify.plan, {s: (seq.tokens[-1], *props[s].tokens)
+                                                     for s, seq in ((x.id, x) for x in decoding)})
+        else:
+            plan = sched.target_plan(self.step, work, {s.id: tuple(props[s.id].tokens) for s in decoding})
+            verify = self.launch(self.target, plan, full_rows=self.full_rows(plan))
+        self.step += 1
+        self.proposals.update(props)
+        sampled = self.collect(verify)
+        self._commit(sched, verify, sampled)
+
+    def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int):
+        if s.request.sampling.greedy:
+            return int(sampled.ids[row]), None
+        q = smp.probs(sampled.logits(row), s.request.sampling)
+        return smp.draw(q, smp.uniform(s.request.sampling, pos, smp.PURPOSE_DRAFT)), q
+
+    def _verify_tokens(self, plan: StepPlan, queued: _Round) -> mx.array:
+        """The step's input rows: prefill rows and each verify's last token from the host,
+        its proposals gathered on the device from the draft steps' ids."""
+        known = [t for sl in plan.slices for t in sl.tokens if t != PENDING]
+        pool = [mx.array(known, dtype=mx.uint32)]
+        where: dict[tuple[str, int], int] = {}
+        base = len(known)
+        for j, (launch, seqs) in enumerate(queued.launches):
+            pool.append(launch.sample.ids.astype(mx.uint32))
+            for i, s in enumerate(seqs):
+                where[(s.id, j)] = base + i
+            base += len(seqs)
+        idx, k = [], 0
+        for sl in plan.slices:
+            for j, t in enumerate(sl.tokens):
+                if t == PENDING:
+                    idx.append(where[(sl.request_id, j - 1)])
+                else:
+                    idx.append(k)
+                    k += 1
+        return mx.concatenate(pool)[mx.array(idx, dtype=mx.int32)]
+
+    def _collect_round(self, queued: _Round, props: dict[str, Proposal]) -> None:
+        """The round's one host sync: the draft steps' proposals, then their events. Each
+        step's duration is the time from the previous step's results to its own."""
+        for j, (launch, seqs) in enumerate(queued.launches):
+            sampled = self.collect(launch, emit=False)
+            if j:
+                launch.plan = _with_tokens(launch.plan, {s.id: (props[s.id].tokens[-1],) for s in seqs})
+            for i, s in enumerate(seqs):
+                props[s.id].tokens.append(int(sampled.ids[i]))
+                props[s.id].q.append(None)
+        for launch, _ in queued.launches:
+            self._emit_step_writes(launch)
+            self.close(launch)
+
+    # -- public steps (the loop above and replay use them) ---------------------------------
+    def state(self, model: str) -> ModelState:
+        st = self.draft if model == DRAFT_MODEL else self.target
+        if st is None:
+            raise ValueError("the trace has draft steps but no draft model was given")
+        return st
+
+    def full_rows(self, plan: StepPlan) -> list[int]:
+        """Logit rows whose requests sample with temperature (they need full logits)."""
+        out, r = [], 0
+        for sl in plan.slices:
+            n = len(sl.logit_rows)
+            if not self.by_id[sl.request_id].sampling.greedy:
+                out += range(r, r + n)
+            r += n
+        return out
+
+    def launch(self, state: ModelState, plan: StepPlan, *, tokens: mx.array | None = None, full_rows=(),
+               want_topk: bool = True) -> Launch:
+        """Build the step's forward and sampling graph and queue it (mx.async_eval)."""
+        t0 = time.perf_counter()
+        kbuf: list[tuple[str, object]] = []
+        self._kbuf = kbuf  # events the graph build emits wait for the step's collect
+        tp, tp_emit = self.e.tp, None
+        if tp is not None:
+            tp_emit, tp.emit = tp.emit, (lambda ev: kbuf.append(("on_allreduce", ev)))
+        try:
+            out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing, tokens=tokens)
+        finally:
+            self._kbuf = None
+            if tp is not None:
+                tp.emit = tp_emit
+        ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk)
+        kv = (out.k_written, out.v_written) if self.want_kv else (None, None)
+        routing = [a for r in out.routing or () for a in r.arrays()]
+        mx.async_eval(*ds.arrays(), *[a for a in kv if a is not None], *routing, *state.cache.arrays())
+        return Launch(plan, state, ds, kv[0], kv[1], out.routing, kbuf, t0)
+
+    def collect(self, launch: Launch, *, emit: bool = True) -> smp.Sampled:
+        """Wait for a step's results; emits its kernel choices and KV writes (unless emit=False:
+        then _emit_step_writes later, once its plan's tokens are known)."""
+        sampled = smp.to_host(launch.sample)
+        now = time.perf_counter()
+        launch.duration = now - max(launch.t0, self._done_at)
+        self._done_at = now
+        if emit:
+            self._emit_step_writes(launch)
+        return sampled
+
+    def _emit_step_writes(self, launch: Launch) -> None:
+        for method, ev in launch.kernels:
+            self.e._emit(method, ev)
+        if self.want_kv:
+            writes = kv_writes(launch.plan, launch.state.name, launch.k, launch.v)
+            for w in writes:
+                self.e._emit("on_kv_write", w)
+            if launch.state.blocks.prefix_caching:
+                self.kv_log.record(writes)
+        if launch.routing:
+            for r in routing_events(launch.plan, launch.state.name, launch.routing):
+                self.e._emit("on_routing", r)
+
+    def close(self, launch: Launch) -> None:
+        """The step is over: on_step (a writer flushes there)."""
+        self.e._emit("on_step", StepEvent(launch.plan, launch.duration))
+        if launch.plan.model != DRAFT_MODEL:
+            self.target_steps += 1
+
+    def emit_token(self, event) -> None:
+        self.e._emit("on_token", event)
+
+    def emit_request(self, event: RequestEvent) -> None:
+        self.e._emit("on_request", event)
+
+    def step_recorded(self, plan: StepPlan, reserve: dict[str, int], *, tap=None) -> tuple[Launch, smp.Sampled]:
+        """Replay: run a recorded plan exactly (teacher-forced), admitting its requests as the
+        recording did; returns the collected step (kernels and KV writes emitted). tap: the
+        forward's per-op output tap for this step (see forward.py)."""
+        state = self.state(plan.model)
+        prefix = state.blocks.prefix_caching
+        for s in plan.slices:
+            if s.request_id not in state.blocks.tables:
+                matched = admit_recorded(state.blocks, self.by_id[s.request_id], reserve[s.request_id], s.start,
+                                         prefix=prefix)
+                if matched and self.want_kv:
+                    self._emit_shared(s.request_id, matched)
+        state.tap = tap
+        try:
+            launch = self.launch(state, plan, full_rows=self.full_rows(plan), want_topk=plan.model != DRAFT_MODEL)
+        finally:
+            state.tap = None
+        self.step = plan.index + 1
+        sampled = self.collect(launch)
+        if prefix:
+            for s in plan.slices:
+                if s.phase == "prefill":
+                    state.blocks.register_prefix(s.request_id, self.by_id[s.request_id].prompt_tokens,
+                                                 s.start + s.count)
+        return launch, sampled
+
+    # -- commits and events ----------------------------------------------------------------
+    def _on_kernel(self, choice: KernelChoice) -> None:
+        if self._kbuf is not None:
+            self._kbuf.append(("on_kernel", choice))
+
+    def _arrived(self, admitted: list[Sequence]) -> None:
+        for seq in admitted:
+            self.e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
+            if seq.num_cached and self.want_kv:
+                self._emit_shared(seq.id, seq.num_cached)
+
+    def _emit_shared(self, rid: str, cached: int) -> None:
+        """A prefix hit reads K/V that another request wrote: record them as this request's
+        live writes, with the step that really wrote them."""
+        blocks = self.target.blocks
+        sources = [blocks.origin[b] for b in blocks.tables[rid][: cached // blocks.block_size]]
+        for w in self.kv_log.shared(rid, sources, blocks.block_size):
+            self.e._emit("on_kv_write", w)
+
+    def _commit(self, sched: Scheduler, launch: Launch, sampled: smp.Sampled) -> None:
+        plan = launch.plan
+        sched.computed(plan)
+        r = 0
+        for sl in plan.slices:
+            seq = sched.by_id[sl.request_id]
+            n = len(sl.logit_rows)
+            if sl.phase == VERIFY:
+                prop = self.proposals.pop(seq.id)
+                if seq.request.sampling.greedy:
+                    j, toks = accept_greedy(prop.tokens, sampled.ids[r : r + n])
+                else:
+                    j, toks = accept_sampled(prop, sampled.rows(r, r + n), seq.request.sampling, len(seq.tokens))
+                seq.proposed += len(prop.tokens)
+                seq.accepted += j
+                sched.accepted(seq, j)
+                self._append(seq, toks, plan.index, sampled, r, [SPEC_ACCEPTED] * j + [SPEC_CORRECTED])
+            elif n:
+                tok = smp.choose(seq.request.sampling, sampled, r, len(seq.tokens))
+                self._append(seq, [tok], plan.index, sampled, r, [SPEC_NONE])
+            r += n
+        for seq in [sched.by_id[sl.request_id] for sl in plan.slices]:
+            if seq.finished:
+                self._finish(sched, seq, plan.index)
+        self.close(launch)
+
+    def _append(self, seq: Sequence, toks: list[int], step: int, sampled: smp.Sampled, row: int,
+                spec: list[int]) -> None:
+        for i, tok in enumerate(toks):
+            if seq.finished:
+                break
+            pos = len(seq.tokens)
+            seq.tokens.append(int(tok))
+            ev = smp.token_event(step, seq.id, pos, tok, spec[i], sampled, row + i)
+            self.topk[seq.id][0].append(ev.topk_ids)
+            self.topk[seq.id][1].append(ev.topk_logits)
+            self.e._emit("on_token", ev)
+            if self.e.stop_at_eos and tok in self.e.eos_ids:
+                seq.finished, seq.finish_reason = True, "eos"
+            elif seq.num_generated >= seq.request.max_tokens:
+                seq.finished, seq.finish_reason = True, "length"
+
+    def _finish(self, sched: Scheduler, seq: Sequence, step: int) -> None:
+        sched.finish(seq)
+        ids, vals = self.topk[seq.id]
+        self.outputs[seq.id] = RequestOutput(
+            seq.id, list(seq.request.prompt_tokens), seq.generated, self.e.decode(seq.generated),
+            seq.finish_reason, topk_ids=ids, topk_logits=vals, proposed=seq.proposed, accepted=seq.accepted,
+        )
+        self.e._emit("on_request", RequestEvent(step, seq.id, "finished", seq.finish_reason))
+
+
+def _same_layout(a: StepPlan, b: StepPlan) -> bool:
+    """Same step, same rows: everything but the (pending) input tokens."""
+    return a.index == b.index and a.model == b.model and len(a.slices) == len(b.slices) and all(
+        (x.request_id, x.phase, x.start, x.count, x.row_offset, x.logit_rows)
+        == (y.request_id, y.phase, y.start, y.count, y.row_offset, y.logit_rows) for x, y in zip(a.slices, b.slices))
+
+
+def _with_tokens(plan: StepPlan, tokens: dict[str, tuple[int, ...]]) -> StepPlan:
+    """The plan with its PENDING input tokens filled in, once the host has them."""
+    return replace(plan, slices=tuple(replace(s, tokens=tuple(int(t) for t in tokens[s.request_id]))
+                                      if s.request_id in tokens else s for s in plan.slices))
