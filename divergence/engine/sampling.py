@@ -79,6 +79,15 @@ class Sampled:
     def rows(self, r0: int, r1: int) -> np.ndarray:
         return np.stack([self.full[r] for r in range(r0, r1)])
 
+    def logit_of(self, row: int, token: int) -> float:
+        """A token's own logit in a row (NaN where the host holds neither it nor the full row)."""
+        if row in self.full:
+            return float(self.full[row][token])
+        if self.chosen is not None and int(self.ids[row]) == token:
+            return float(self.chosen[row])
+        hit = np.flatnonzero(self.top_ids[row] == token) if self.top_ids is not None else ()
+        return float(self.top_vals[row][hit[0]]) if len(hit) else float("nan")
+
 
 def to_host(ds: DeviceSample) -> Sampled:
     """Copy a (evaluated or not) DeviceSample to the host; sorts the small top-k there."""
@@ -107,7 +116,8 @@ def choose(sampling: Sampling, sampled: Sampled, row: int, position: int) -> int
 def token_event(step: int, request_id: str, position: int, token: int, spec: int, sampled: Sampled,
                 row: int) -> TokenEvent:
     """The event of a committed token, with its logit row's top-k (one place for engine and replay)."""
-    return TokenEvent(step, request_id, position, int(token), spec, sampled.top_ids[row], sampled.top_vals[row])
+    return TokenEvent(step, request_id, position, int(token), spec, sampled.top_ids[row], sampled.top_vals[row],
+                      logit=sampled.logit_of(row, int(token)))
 
 
 def uniform(sampling: Sampling, position: int, purpose: int = PURPOSE_SAMPLE) -> float:
