@@ -51,7 +51,7 @@ def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: f
         qs = q[g.row : g.row + 1].reshape(1, H, 1, hd)
     else:
         qs = q[g.row : g.row + n].reshape(n, H, hd).transpose(1, 0, 2)[None]
-    k, v = cache.gather(layer, g.table, g.length)
+    k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
     o = run_per_seq(qs, k, v, scale)
     return o.reshape(1, H * hd) if n == 1 else o[0].transpose(1, 0, 2).reshape(n, H * hd)
 

@@ -129,7 +129,7 @@ class PackedForward:
             if tap is not None:
                 tap(li, "q_rope", q.reshape(T, H, hd))
                 tap(li, "k_rope", k)
-            cache.write(li, prep.write_slots, k, v)
+            cache.write(li, prep.write_slots, k, v, start=prep.write_start)
             if keep_kv:
                 k_layers.append(k)
                 v_layers.append(v)

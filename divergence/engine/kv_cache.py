@@ -150,9 +150,15 @@ class PagedKVCache:
         self._heads = mx.arange(kv_heads)[None, :, None]  # broadcast index for batched block reads
         mx.eval(self.k, self.v)
 
-    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
+    def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array, *, start: int | None = None) -> None:
         """k, v: [n, kv_heads, head_dim] for the n positions at `slots`: one scatter per
-        pool, in place (MLX donates the buffer: no whole-cache copy)."""
+        pool, in place (MLX donates the buffer: no whole-cache copy). `start`: the slots
+        are start, start + 1, ...: a slice update does it (cheaper than a scatter)."""
+        if start is not None:
+            n = k.shape[0]
+            self.k[layer][:, start : start + n] = k.swapaxes(0, 1)
+            self.v[layer][:, start : start + n] = v.swapaxes(0, 1)
+            return
         self.k[layer][:, slots] = k.swapaxes(0, 1)
         self.v[layer][:, slots] = v.swapaxes(0, 1)
 
@@ -164,9 +170,15 @@ class PagedKVCache:
         kv, _, hd = pool.shape
         return pool.reshape(kv, self.num_blocks, self.block_size, hd)
 
-    def gather(self, layer: int, table: mx.array, length: int) -> tuple[mx.array, mx.array]:
+    def gather(self, layer: int, table: mx.array, length: int, *, first_slot: int | None = None
+               ) -> tuple[mx.array, mx.array]:
         """One sequence's first `length` positions, [1, kv_heads, length, head_dim], read by
-        block (`table`: its block ids, at least ceil(length / block_size) of them)."""
+        block (`table`: its block ids, at least ceil(length / block_size) of them), or, when
+        its blocks are consecutive from `first_slot`, as a slice of the pool (no copy, as
+        mlx-lm's own cache is read)."""
+        if first_slot is not None:
+            end = first_slot + length
+            return self.k[layer][None, :, first_slot:end], self.v[layer][None, :, first_slot:end]
         out = []
         for pool in (self.k[layer], self.v[layer]):
             kv, _, hd = pool.shape

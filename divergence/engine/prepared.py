@@ -45,6 +45,7 @@ class SeqAttention:
     count: int
     length: int  # KV positions read: start + count
     table: mx.array  # [ceil(length / block_size)] block ids
+    first_slot: int | None = None  # the blocks are consecutive in the pool from this slot: read a slice, no gather
 
 
 @dataclass
@@ -68,6 +69,7 @@ class PreparedStep:
     tokens: mx.array  # int32 [T]
     positions: mx.array  # int32 [T]: RoPE offset of each row
     write_slots: mx.array  # int32 [T]: pool slot each row's K/V go to
+    write_start: int | None  # the slots are one consecutive run from here: a slice update, no scatter
     logit_index: mx.array | None  # int32 [R] rows whose logits are needed; None = all rows, in order
     logit_rows: int  # R
     groups: list  # SeqAttention | BatchedAttention, in execution order
@@ -117,14 +119,19 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
     in_batch = set(batch)
     for i, s in enumerate(plan.slices):
         if i not in in_batch:
-            groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(tables[i])))
+            t = tables[i]
+            consecutive = len(t) == 1 or bool(np.all(np.diff(t) == 1))
+            groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(t),
+                                       int(t[0]) * bs if consecutive else None))
             order.extend(range(s.row_offset, s.row_offset + s.count))
+    slots_np = cat(slots).astype(np.int32)
+    run = T == 1 or bool(np.all(np.diff(slots_np) == 1))
     perm = None
     if order != list(range(T)):
         perm = mx.array(np.argsort(np.asarray(order, dtype=np.int32)).astype(np.int32))
     return PreparedStep(
         plan=plan, rows=T, tokens=mx.array(cat(toks)), positions=mx.array(cat(pos)),
-        write_slots=mx.array(cat(slots).astype(np.int32)),
+        write_slots=mx.array(slots_np), write_start=int(slots_np[0]) if run else None,
         logit_index=None if identity_logits else mx.array(logit_np), logit_rows=len(logit_np),
         groups=groups, out_perm=perm, kernel=BATCHED if batch else PER_SEQ, kv_lens=kv_lens,
         attended_rows=T, batch=len(batch),
