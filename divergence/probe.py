@@ -4,7 +4,10 @@ of one row (engine.native_classes)?
 
 Row counts with equal signatures fall into one class; the map reads like
 seed 000's table, measured instead of guessed ("q_proj 896x896 bf16: rows 1..5
-one class, 8..128 another"). Attention (SDPA) is probed over query lengths.
+one class, 8..128 another"). SDPA is probed over query lengths, and the
+`attention` kernels over batch sizes, per padding layout (right: the engine's
+`batched`; left: mlx-lm BatchGenerator's) and query rows (decode, verify):
+class 0 = the bits of each sequence alone (`per-seq`).
 Results are cached per (backend, device, MLX version, shape, dtype).
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from .engine.forward import PackedForward
 from .engine.kernels import LinearOp
 from .engine.bits import raw_bits as _bits
-from .engine.native_classes import NativeClassProbe
+from .engine.native_classes import LAYOUTS, NativeClassProbe
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
 DEFAULT_KV_LENS = (64, 256, 1024)  # KV lengths SDPA is probed at
@@ -36,13 +39,15 @@ class OpProbe:
     rows: list[int]
     classes: list[int]  # class per row count; class 0 = same bits as M=1
     layers: list[int] = field(default_factory=list)
+    unit: str = "rows"  # what `rows` counts: rows of one call, or sequences of one attention call ("batch")
+    base: str = "M=1"  # what class 0 means
 
     def describe(self) -> str:
         """Runs of row counts that compute every probe row as one-row calls do (= M=1) or
         not; calls of other row counts often each place rows their own way (distinct
         classes), so those are counted rather than listed."""
-        if len(set(self.classes)) == 1:
-            return f"rows {self.rows[0]}..{self.rows[-1]} one class (batch-invariant)"
+        if len(set(self.classes)) == 1 and self.classes[0] == 0:
+            return f"{self.unit} {self.rows[0]}..{self.rows[-1]} one class (batch-invariant)"
         runs: list[list] = []
         for m, c in zip(self.rows, self.classes):
             same = c == 0
@@ -55,15 +60,15 @@ class OpProbe:
         for a, b, same, cls in runs:
             rng = f"{a}" if a == b else f"{a}..{b}"
             if same:
-                parts.append(f"{rng} = M=1")
+                parts.append(f"{rng} = {self.base}")
             elif len(cls) == 1:
                 parts.append(f"{rng} class {next(iter(cls))}")
             else:
                 parts.append(f"{rng} differ ({len(cls)} classes)")
-        return "rows " + ", ".join(parts)
+        return f"{self.unit} " + ", ".join(parts)
 
     def to_json(self) -> dict:
-        return {"op": self.op, "shape": self.shape, "dtype": self.dtype, "rows": self.rows,
+        return {"op": self.op, "shape": self.shape, "dtype": self.dtype, "rows": self.rows, "unit": self.unit,
                 "classes": self.classes, "layers": self.layers, "summary": self.describe()}
 
 
@@ -99,6 +104,23 @@ def probe_sdpa(n_heads: int, n_kv: int, head_dim: int, dtype, rows: list[int], k
         outs.append(_bits(o[:, :, -1]))
     classes = classify(outs)
     return classes if rows[0] == 1 else classes[1:]
+
+
+ATTENTION_QUERIES = (1, 4)  # query rows per sequence probed: decode, and a verify of spec_k = 3
+ATTENTION_MAX_BATCH = 64
+
+
+def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype, batches: list[int], queries: int,
+                    layout: str) -> list[int]:
+    """Class per batch size B of a masked batched SDPA over B sequences padded on `layout`'s
+    side (right: the engine's `batched`; left: mlx-lm BatchGenerator's): 0 = every probe
+    sequence's output has the bits of that sequence alone (`per-seq`)."""
+    from .engine.native_classes import AttentionClassProbe
+
+    p = AttentionClassProbe()
+    outs = [p.outputs("per-seq", 1, heads, kv_heads, head_dim, queries, dtype)]
+    outs += [p.outputs("batched", b, heads, kv_heads, head_dim, queries, dtype, layout=layout) for b in batches]
+    return classify(outs)[1:]
 
 
 def cache_key(shape: str, dtype: str, quant, rows) -> str:
@@ -150,6 +172,16 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
                     [r for r in rows if r <= kv],
                     probe_sdpa(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, [r for r in rows if r <= kv], kv))
             for kv in kv_lens if any(r <= kv for r in rows)]
+    batches = [b for b in rows if b <= ATTENTION_MAX_BATCH]
+    attn = []
+    for q in ATTENTION_QUERIES:
+        for layout in LAYOUTS:
+            shape = f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}, q{q}, {layout}-padded"
+            ck = cache_key(f"attention:{shape}", dname, quant, batches)
+            classes = cache.get(ck) or probe_attention(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, batches,
+                                                       q, layout)
+            cache[ck] = classes
+            attn.append(OpProbe("attention", shape, dname, batches, classes, unit="batch", base="per-seq"))
     if use_cache:
         try:
             cpath.parent.mkdir(parents=True, exist_ok=True)
@@ -159,7 +191,7 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
     from .engine.engine import environment
 
     return {"model": str(loaded.path), "environment": environment(),
-            "ops": [p.to_json() for p in seen.values()] + [p.to_json() for p in sdpa]}
+            "ops": [p.to_json() for p in seen.values()] + [p.to_json() for p in sdpa] + [p.to_json() for p in attn]}
 
 
 def parse_rows(text: str, what: str = "--rows") -> list[int]:

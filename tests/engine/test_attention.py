@@ -186,3 +186,47 @@ def test_batch_invariant_serial_equals_concurrent_with_spec_and_prefix_cache(tar
         a, b = s.outputs[r.id], c.outputs[r.id]
         assert a.tokens == b.tokens
         assert np.array_equal(np.array(a.topk_logits).view(np.uint32), np.array(b.topk_logits).view(np.uint32))
+
+
+def test_probe_reports_attention_classes_by_layout_and_batch(monkeypatch):
+    from divergence.probe import probe_attention
+
+    for layout in ("right", "left"):
+        got = probe_attention(H, KV, HD, mx.bfloat16, [1, 2, 3, 8], 1, layout)
+        if ON_CPU:  # one-row queries: every batch computes each sequence as alone
+            assert got == [0, 0, 0, 0]
+    # a backend whose batched kernel reduces over the keys another way: batches >= 2 differ
+    monkeypatch.setattr(attention, "run_batched",
+                        lambda q, k, v, mask, scale: attention.sdpa(q, k[:, :, ::-1], v[:, :, ::-1], scale=scale,
+                                                                    mask=mask[..., ::-1]))
+    got = probe_attention(H, KV, HD, mx.float32, [1, 2, 8], 1, "right")
+    assert got[1] != 0 and got[2] != 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_tap_sees_every_op_in_forward_order_and_changes_nothing(random_model, family):
+    from divergence.core.names import TAP_POINTS
+    from divergence.engine.forward import PackedForward
+
+    loaded = random_model(family, hidden_size=64)
+    fwd = PackedForward(loaded)
+    seen = []
+    outs = []
+    for tap in (None, lambda layer, point, rows: seen.append((layer, point, rows.shape[0]))):
+        blocks = BlockManager(16, BS)
+        cache = fwd.make_cache(16, BS)
+        disp = KernelDispatcher(KernelPolicy.parse("native"), "target")
+        for rid in ("a", "b"):
+            blocks.allocate(rid, 40)
+        plan = StepPlan(0, "target", (SeqSlice("a", PREFILL, 0, 5, 0, (1, 2, 3, 4, 5), (4,)),
+                                      SeqSlice("b", PREFILL, 0, 3, 5, (6, 7, 8), (2,))))
+        out = fwd(plan, cache, blocks, disp, tap=tap)
+        mx.eval(out.logits)
+        outs.append(_bits(out.logits))
+    assert np.array_equal(outs[0], outs[1])
+    layer_points = [p for p in TAP_POINTS if p not in ("norm", "lm_head")]
+    if family != "qwen3":
+        layer_points = [p for p in layer_points if p not in ("q_norm", "k_norm")]
+    want = [(li, p, 8) for li in range(fwd.num_layers) for p in layer_points]
+    want += [(fwd.num_layers, "norm", 2), (fwd.num_layers, "lm_head", 2)]
+    assert seen == want
