@@ -102,8 +102,10 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
             pieces = [p.encode("utf-8", "surrogatepass") for p in info.vocab]
             g = f.create_group(S.VOCAB)
             g.attrs["description"] = "token i's text (decoded alone) is bytes[offsets[i]:offsets[i+1]], utf-8"
-            g.create_dataset("bytes", data=np.frombuffer(b"".join(pieces), np.uint8))
-            g.create_dataset("offsets", data=np.concatenate([[0], np.cumsum([len(p) for p in pieces])]))
+            raw = np.frombuffer(b"".join(pieces), np.uint8)
+            offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
+            for name, data in (("bytes", raw), ("offsets", offsets)):  # ~2.5 MB raw for a 152k vocabulary
+                g.create_dataset(name, data=data, chunks=(max(1, min(len(data), 1 << 16)),), **S.COMPRESSION)
         tables, dtypes = {}, {}
         tails = f.create_group(S.TAILS)
         for name, t in S.TABLES.items():

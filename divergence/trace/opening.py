@@ -69,6 +69,6 @@ def check(p: Path, f: h5py.File) -> None:
                          f"({S.SCHEMA_VERSION}); upgrade divergence")
     if version < 1:
         raise TraceError(f"{p} has no valid schema_version")
-    for name in ("steps", "tokens", S.REQUESTS, S.META, S.STATUS) + ((S.COMMIT,) if version >= 2 else ()):
+    for name in ("steps", "tokens", S.REQUESTS, S.META, S.STATUS):
         if name not in f:
             raise TraceError(f"{p} is a damaged trace: /{name} is missing")

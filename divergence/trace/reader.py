@@ -213,12 +213,24 @@ class Trace:
         return out
 
     def _read_v2(self, name: str) -> dict[str, np.ndarray]:
-        commit = self._once("commit", lambda: read_commit(self.f, refresh=self.swmr)[1])  # the snapshot
+        commit = self._once("commit", self._commit)  # the snapshot
         if name not in commit:
             return {}
         nb, nt, _ = commit[name]
-        rec = read_rows(self.f, name, nb + nt, refresh=self.swmr)
+        rec = read_rows(self.f, name, nb + nt, refresh=self.swmr) if S.COMMIT in self.f else self.f[name][: nb + nt]
         return {k: np.ascontiguousarray(rec[k]) for k in rec.dtype.names}
+
+    def _commit(self) -> dict:
+        if S.COMMIT in self.f:
+            return read_commit(self.f, refresh=self.swmr)[1]
+        # schema-2 files of the first days had no commit record: whole datasets, steps written last
+        sizes = {}
+        for name in ("steps", *S.TABLES):
+            if name in self.f and isinstance(self.f[name], h5py.Dataset):
+                if self.swmr:
+                    self.f[name].id.refresh()
+                sizes[name] = (self.f[name].shape[0], 0, 0)
+        return sizes
 
     @property
     def steps(self) -> dict[str, np.ndarray]:

@@ -198,7 +198,7 @@ ALIASES = {t.v1: name for name, t in TABLES.items() if t.v1 and t.v1 != name}
 # Widths of 2-D columns where a run gives none (the table then stays empty).
 DEFAULT_WIDTHS = {"top_k": 8}
 
-CHUNK_BYTES = 1 << 14  # chunk size of each table's body (and of its tail slots)
+CHUNK_BYTES = 1 << 13  # chunk size of each table's body (and of its tail slots: the fixed cost of a table)
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # the bodies
 
 
