@@ -1,5 +1,12 @@
 """What the per-sequence attention loop costs at B>1, and what batching it would buy.
 
+Historical: these prototypes measured the engine's forward before it was rebuilt
+(commit c184080). The engine now does what they tried, for real: one RoPE call and
+one scatter per layer, a head-major pool read by block, and batched decode attention
+(kernel `batched`). The prototypes assume the old [slots, kv_heads, head_dim] pool and
+the old forward, so they no longer run against today's engine; the results in
+bench/results/ablate_forward*.json are the record of that measurement.
+
     python bench/ablate_forward.py --models fixture,qwen0.5b --dtypes float32
 
 The engine's packed forward runs, per layer and per sequence: 3 slices, 2
