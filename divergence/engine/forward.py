@@ -162,6 +162,8 @@ class PackedForward:
     def _rope(self, rope, x: mx.array, prep: PreparedStep) -> mx.array:
         """[T, heads, hd] -> [T, heads, 1, hd] at each row's own position."""
         T, n, hd = x.shape
+        if T == 1:  # one row (a B=1 decode): a number offset, as mlx-lm's own call
+            return rope(x.reshape(1, n, 1, hd), offset=prep.plan.slices[0].start)
         if self.vector_rope:
             return rope(x.reshape(T, n, 1, hd), offset=prep.positions)
         parts = []
