@@ -117,3 +117,21 @@ def test_show_piece():
     assert show_piece(" the") == "␣the"
     assert show_piece("a\nb\tc\x00") == "a⏎b⇥c\\x00"
     assert show_piece(None) == ""
+
+
+def test_step_list_names_the_attention_kernel(target, tmp_path):
+    """A native run: the attn column shows the step's attention kernel next to the native tag."""
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+    from divergence.trace.writer import TraceWriter
+    from divergence.tui.data.steps import StepIndex
+
+    path = tmp_path / "native.h5"
+    reqs = [Request(f"r{i}", tuple(target.encode(p)), max_tokens=3) for i, p in enumerate(("If the", "Open a"))]
+    with TraceWriter(path, top_k=4) as w:
+        Engine(target, policy="native", stop_at_eos=False, observers=[w]).run(reqs, "concurrent")
+    with Trace.open(path) as t:
+        idx = StepIndex(t)
+        idx.load_kernels()
+        attn = [idx.row(r).kernels["attn"] for r in range(len(idx))]
+    assert any(a.startswith("batched") for a in attn) and any(a.startswith("per-seq") for a in attn), attn

@@ -9,12 +9,13 @@ import numpy as np
 import xxhash
 
 from ...core.labels import compact_labels, composition_text, kernel_label
+from ...core.names import ATTENTION
 from ...trace.reader import Trace
 from ...trace.schema import KERNELS as KERNEL_NAMES
 from .text import span_text
 
-OP_CLASSES = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")),
-              ("head", ("lm_head",)))
+OP_CLASSES = (("attn", ("q_proj", "k_proj", "v_proj", "o_proj", ATTENTION)),
+              ("mlp", ("gate_proj", "up_proj", "down_proj")), ("head", ("lm_head",)))
 
 
 @dataclass
@@ -169,7 +170,8 @@ class StepIndex:
         out = {}
         for name, ops in OP_CLASSES:
             sel = np.isin(k["op"], ops)
-            native = sel & (k["native_class"] != 0)
+            # attention's kernel (per-seq | batched) is always named; its class is not a linear op's
+            native = sel & (k["native_class"] != 0) & (k["op"] != ATTENTION)
             classes = np.unique(k["native_class"][native])
             if classes.size > 1:  # one op class's ops each have a signature: show one tag for the set
                 labels = k["label"][sel & ~native].tolist() + [f"native/{_tag(classes):04x}"]
