@@ -47,6 +47,7 @@ class TableFile:
         self.slot = 1 - self.slot  # the other slot: the committed one stays intact until the next commit
         if len(self.tail):
             self.tail_ds[self.slot, : len(self.tail)] = self.tail
+            self.tail_ds.flush()
 
     def finish(self) -> None:
         """Everything into the body (the last chunk partial), tails empty."""
@@ -70,7 +71,7 @@ class Commit:
         self.seq += 1
         rows = [(self.seq, 0, 0)] + [(t.nb, len(t.tail), t.slot) for t in self.tables.values()]
         self.ds[...] = np.array(rows, np.int64)
-        self.ds.flush()
+        self.ds.file.flush()
 
 
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
@@ -118,7 +119,10 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
                                           "columns": {c: col.description for c, col in t.columns.items()}}
                                    for name, t in S.TABLES.items()})
         f.attrs["commit_tables"] = list(tables)
-        commit = Commit(f.create_dataset(S.COMMIT, data=np.zeros((1 + len(tables), 3), np.int64)), tables)
+        # chunked, not contiguous: a contiguous dataset's reads can come from the file's sieve buffer,
+        # which refreshing the dataset does not drop (a live reader then saw stale commits)
+        shape = (1 + len(tables), 3)
+        commit = Commit(f.create_dataset(S.COMMIT, data=np.zeros(shape, np.int64), chunks=shape), tables)
         f.swmr_mode = True  # no new objects or attributes from here on
         f.flush()
     except BaseException:
@@ -153,7 +157,7 @@ def read_commit(f: h5py.File, *, refresh: bool) -> tuple[int, dict[str, tuple[in
     """(sequence, table -> (body rows, tail rows, tail slot)) as last committed."""
     d = f[S.COMMIT]
     if refresh:
-        d.id.refresh()
+        d.refresh()
     c = d[()]
     names = [x.decode() if isinstance(x, bytes) else str(x) for x in f.attrs["commit_tables"]]
     return int(c[0, 0]), {n: (int(c[i + 1, 0]), int(c[i + 1, 1]), int(c[i + 1, 2])) for i, n in enumerate(names)}
@@ -162,17 +166,22 @@ def read_commit(f: h5py.File, *, refresh: bool) -> tuple[int, dict[str, tuple[in
 def read_rows(f: h5py.File, name: str, n: int, *, refresh: bool) -> np.ndarray:
     """The first n records of a table (n within what some commit named). Rows, once
     committed, never change: the body only grows, and a tail slot is rewritten only
-    two commits after the one that named it, which a reader of a live file checks."""
+    after the next commit is on disk, which a reader of a live file checks."""
     body = f[name]
     for _ in range(1000):
         seq, commit = read_commit(f, refresh=refresh)
         nb, nt, slot = commit[name]
         if refresh:
-            body.id.refresh()
+            body.refresh()
         if n <= nb:
             return body[:n]
         head = body[:nb]
-        tail = f[S.TAILS][name][slot, : n - nb]
-        if not refresh or read_commit(f, refresh=True)[0] - seq < 2:
+        tails = f[S.TAILS][name]
+        if refresh:
+            tails.refresh()  # its chunks may have been allocated since this reader looked
+        tail = tails[slot, : n - nb]
+        # the writer fills a slot before the commit naming it: the slot we read is rewritten
+        # while the second commit after ours is being written, so any commit since means retry
+        if not refresh or read_commit(f, refresh=True)[0] == seq:
             return np.concatenate([head, tail])
     raise OSError(f"/{name} kept changing while it was read")

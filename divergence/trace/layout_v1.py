@@ -18,7 +18,7 @@ def read_v1_table(f: h5py.File, t: S.Table, *, refresh: bool) -> dict[str, np.nd
     ds = {c: g[c] for c in names}
     if refresh:
         for d in ds.values():
-            d.id.refresh()  # a live (or killed) SWMR writer may have appended
+            d.refresh()  # a live (or killed) SWMR writer may have appended
     if not ds:
         return {}
     n = min(d.shape[0] for d in ds.values())

@@ -52,7 +52,7 @@ def _open(p: Path) -> tuple[h5py.File, bool]:
             if "truncated" in str(e):  # SWMR reads skip the EOF check and can hang on these
                 raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
             # a writer killed mid-run (or still running) leaves the file marked open for SWMR writing
-            return h5py.File(p, "r", swmr=True), True
+            return h5py.File(p, "r", swmr=True, rdcc_nbytes=0), True
     except TraceError:
         raise
     except (OSError, ValueError) as e:

@@ -228,7 +228,7 @@ class Trace:
         for name in ("steps", *S.TABLES):
             if name in self.f and isinstance(self.f[name], h5py.Dataset):
                 if self.swmr:
-                    self.f[name].id.refresh()
+                    self.f[name].refresh()
                 sizes[name] = (self.f[name].shape[0], 0, 0)
         return sizes
 
