@@ -256,7 +256,8 @@ def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     return out
 
 
-def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positions=None, layer=None):
+def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positions=None, layer=None, *,
+                 alone: bool = False):
     """How to make B's step compute what A's did. Where the kernel labels differ (the
     engine's own kernels), run each op on A's kernel. Where they are the same (`native`
     on both sides: a real backend whose kernels we do not choose), the difference is
@@ -265,7 +266,8 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
     left out of the comparison: a step alone runs it per sequence, as A's did. Where,
     besides, A's step computed the request's positions as another span (a prefill that
     B split by the prefix cache or by chunking), B's step computes A's span in one pass
-    (RelayoutStep): on a backend whose kernels depend on the row count, only A's rows do."""
+    (RelayoutStep): on a backend whose kernels depend on the row count, only A's rows do.
+    alone: run the step as A ran it (SOLO / RelayoutStep) whatever the kernel labels."""
     from ..core.names import ATTENTION
     from ..core.policy import SOLO, RelayoutStep
     from .bisect import step_kernels
@@ -273,7 +275,7 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
     ka = step_kernels(a, step_a)
     kb = step_kernels(b, step_b)
     same = {o: k for o, k in ka.items() if o != ATTENTION} == {o: k for o, k in kb.items() if o != ATTENTION}
-    if same or _mixed_experts(a, step_a):
+    if same or alone or _mixed_experts(a, step_a):
         if rid is not None and a.step_plan(step_a).model == b.step_plan(step_b).model:
             oa, ob = _owner(a, step_a, rid, positions, layer), _owner(b, step_b, rid, positions, layer)
             sa, sb = _slice_of(a, step_a, oa), _slice_of(b, step_b, ob)
@@ -355,6 +357,28 @@ def _suspect_steps(a, b, rid: str, pos: int, step_a: int, step_b: int, model: st
             or sb == step_b}
 
 
+def _greedy(trace, rid: str) -> bool:
+    return next(r for r in trace.requests if r.id == rid).sampling.greedy
+
+
+def _draft_pairs(a, b, rid: str, until_a: int, until_b: int) -> dict[int, int]:
+    """B draft step -> A draft step, for B's draft steps of the request up to the flip, each
+    paired with A's latest draft step that predicted the same position (its q)."""
+    from .bisect import draft_step, step_kernels
+
+    out: dict[int, int] = {}
+    for plan in b.iter_plans():
+        if plan.model != "draft" or plan.index >= until_b:
+            continue
+        for s in plan.slices:
+            if s.request_id == rid:
+                sa = draft_step(a, rid, s.start + s.count, until_a)
+                if sa is not None and (step_kernels(a, sa) != step_kernels(b, plan.index)
+                                       or _rows_per_op(a, sa) != _rows_per_op(b, plan.index)):
+                    out[plan.index] = sa
+    return out
+
+
 def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
     """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
 
@@ -363,8 +387,11 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
     claim: B with only the root-cause step run as A ran it (A's kernels, or request by
     request where both are `native`). If other steps also differ, the weaker one: B with
     every suspect step forced (the divergent row's step, and every step whose K/V writes
-    it read differently). A sampler cause (the draft's q) forces the draft's steps.
+    it read differently). A sampler cause (the draft's q) forces the draft's steps, and so
+    does any sampled token under speculative decoding. Where A's kernels do not reproduce
+    A's numbers, the steps run as A ran them: each request alone, with A's rows.
     """
+    from ..core.policy import RelayoutStep, SoloStep
 
     def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
         got = replayer.run(b, forced=forced).outputs[rid]
@@ -414,7 +441,12 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         else:
             pairs = {}
         pairs[cause.b.step] = cause.a.step
+        if tok is not None and not _greedy(b, rd.id):
+            # a sampled token under speculative decoding also hangs on the draft's q: its steps too
+            pairs.update({sb: sa for sb, sa in _draft_pairs(a, b, rd.id, tok.step_a, tok.step_b).items()
+                          if sb not in pairs})
         where = (lambda i: f"position {rd.prompt_len + i}") if logits_only else (lambda i: f"generated #{i}")
+        forced2 = forced
         if len(pairs) > 1:
             forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
             forced2[cause.b.step] = forced[cause.b.step]
@@ -423,6 +455,19 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
                 return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal}{exact2} "
                               f"(step {cause.b.step} alone does not: {len(pairs) - 1} other "
                               f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
+        # A's kernels were not enough (e.g. the engine's own gemm is built of native matmuls
+        # whose rows depend on the row count, as fp32 on OpenBLAS): run the steps as A ran
+        # them, each request alone with A's rows, whatever the kernels
+        if any(not isinstance(v, (SoloStep, RelayoutStep)) for v in forced2.values()):
+            forced3 = {sb: force_like_a(a, sa, b, sb, rd.id, cause.positions if sb == cause.b.step else None,
+                                        cause.layer, alone=True) for sb, sa in pairs.items()}
+            ok3, exact3, _ = check(forced3)
+            if ok3:
+                extra = (f" (step {cause.b.step} alone does not: {len(pairs) - 1} other "
+                         f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)") if len(pairs) > 1 else ""
+                return True, (f"replaying {label_b} with {_forcing_words(forced3, label_a)} {goal}{exact3}, where "
+                              f"{label_a}'s kernels alone were not enough{extra}")
+        if len(pairs) > 1:
             return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
                            f"{_forcing_words(forced2, label_a)} it differs at {where(first2)}")
         return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"

@@ -5,6 +5,11 @@ plans carry their token ids), so the batch composition, row counts and
 positions are exactly the recorded run's, whatever the replay computes. At
 every site where the recording committed a token, the replay reports the token
 its own logits pick and their top-k, so its trace diffs against any other.
+
+Sampling replays the recorded uniforms (the trace's draws table; traces without
+one get the same keyed uniforms the engine drew), and a sampled verify re-runs
+the rejection test on the replay's own target p and draft q: an unforced replay
+accepts exactly what the recording accepted, a forced one decides for itself.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import numpy as np
 from . import sampling as smp
 from .dispatch import KernelPolicy
 from .engine import Engine, RequestOutput, RunResult
-from ..core.events import DRAFT_MODEL, RequestEvent, StepPlan
+from ..core.events import DRAFT_MODEL, VERIFY, RequestEvent, StepPlan
 from ..core.names import DRAW_PURPOSES
 from ..core.request import Request
 
@@ -101,8 +106,7 @@ def replay_plans(
     for site in sites:
         by_step.setdefault(site.step, []).append(site)
     req_by_id = {r.id: r for r in requests}
-    generated: dict[str, list[int]] = {r.id: [] for r in requests}
-    topk = {r.id: ([], []) for r in requests}
+    out = _Decisions(run, req_by_id, draws or {})
 
     e = engine
     t0 = time.perf_counter()
@@ -114,8 +118,12 @@ def replay_plans(
             launch, sampled = run.step_recorded(plan, reserve, tap=tap.bind(plan) if tapping else None)
             if tapping:
                 tap.finish()
-            if plan.model != DRAFT_MODEL:
-                _emit_sites(run, plan, by_step.get(plan.index, ()), sampled, req_by_id, generated, topk)
+            if plan.model == DRAFT_MODEL:
+                out.proposals(plan, sampled.logits)
+            else:
+                out.sites(plan, by_step.get(plan.index, ()), sampled.logits, lambda i: sampled.ids[i],
+                          lambda step, rid, pos, tok, spec, r, sampling:
+                          smp.token_event(step, rid, pos, tok, spec, sampled, r, sampling=sampling))
             for rid, last in last_seen.items():
                 if last == plan.index and plan.model != DRAFT_MODEL:
                     run.emit_request(RequestEvent(plan.index, rid, "finished", "replayed"))
@@ -126,30 +134,100 @@ def replay_plans(
     finally:
         run.end(completed)
     outputs = {
-        r.id: RequestOutput(r.id, list(r.prompt_tokens), generated[r.id], e.decode(generated[r.id]), "replayed",
-                            topk_ids=topk[r.id][0], topk_logits=topk[r.id][1])
+        r.id: RequestOutput(r.id, list(r.prompt_tokens), out.generated[r.id], e.decode(out.generated[r.id]),
+                            "replayed", topk_ids=out.topk[r.id][0], topk_logits=out.topk[r.id][1])
         for r in requests
     }
     return RunResult(schedule, str(e.policy), outputs, len(plans), run.target_steps, time.perf_counter() - t0)
 
 
-def _emit_sites(run, plan, sites, sampled, req_by_id, generated, topk) -> None:
-    # Logit row of (request, predicted position): rows come in slice order.
-    row_of, r = {}, 0
-    for s in plan.slices:
-        for lr in s.logit_rows:
-            row_of[(s.request_id, s.start + lr + 1)] = r
-            r += 1
-    for site in sorted(sites, key=lambda x: (x.request_id, x.position)):
-        r = row_of.get((site.request_id, site.position))
-        if r is None:
-            continue
-        tok = smp.choose(req_by_id[site.request_id].sampling, sampled, r, site.position)
-        ev = smp.token_event(plan.index, site.request_id, site.position, tok, site.spec, sampled, r)
-        generated[site.request_id].append(tok)
-        topk[site.request_id][0].append(ev.topk_ids)
-        topk[site.request_id][1].append(ev.topk_logits)
-        run.emit_token(ev)
+class _Decisions:
+    """The replay's own decisions at the recorded sites, and their events. Sampling uses the
+    recorded uniforms (keyed ones for traces without draws); a sampled verify re-runs the
+    rejection test on the replay's own target p and the draft q its draft steps computed."""
+
+    def __init__(self, run, req_by_id: dict, draws: dict):
+        self.run = run
+        self.req = req_by_id
+        self.draws = draws
+        self.q: dict[tuple[str, int], np.ndarray] = {}  # (request, position) -> the draft's q there
+        self.generated: dict[str, list[int]] = {r: [] for r in req_by_id}
+        self.topk = {r: ([], []) for r in req_by_id}
+        self.records = run.e._wants("wants_records")
+
+    def uniform(self, rid: str):
+        sampling = self.req[rid].sampling
+
+        def u(position: int, purpose: int) -> float:
+            got = self.draws.get((rid, position, DRAW_PURPOSES[purpose]))
+            return got if got is not None else smp.uniform(sampling, position, purpose)
+
+        return u
+
+    def emit_draw(self, step: int, rid: str, position: int, d) -> None:
+        if self.records:
+            self.run.emit_draws(step, rid, [(position, d)])
+
+    def proposals(self, plan: StepPlan, logits) -> None:
+        """A draft step: each sampled request's q at the position it predicts (its draw recorded)."""
+        for i, s in enumerate(plan.slices):
+            sampling = self.req[s.request_id].sampling
+            if sampling.greedy or not s.logit_rows:
+                continue
+            pos = s.start + s.count
+            q = smp.probs(logits(i), sampling)
+            self.q[(s.request_id, pos)] = q
+            _, d = smp.draw_traced(q, self.uniform(s.request_id)(pos, smp.PURPOSE_DRAFT), smp.PURPOSE_DRAFT)
+            self.emit_draw(plan.index, s.request_id, pos, d)
+
+    def sites(self, plan: StepPlan, sites, logits, argmax, event) -> None:
+        """logits(r): float32 row r; argmax(r): the greedy token; event(...) -> TokenEvent."""
+        from .speculative import Proposal, accept_sampled
+
+        row_of, r = {}, 0  # logit row of (request, predicted position): rows come in slice order
+        first_row: dict[str, int] = {}
+        for s in plan.slices:
+            first_row[s.request_id] = r
+            for lr in s.logit_rows:
+                row_of[(s.request_id, s.start + lr + 1)] = r
+                r += 1
+        chosen: dict[tuple[str, int], int] = {}
+        for s in plan.slices:
+            sampling = self.req[s.request_id].sampling
+            if s.phase != VERIFY or sampling.greedy:
+                continue
+            rid, props = s.request_id, list(s.tokens[1:])
+            qs = [self.q.get((rid, s.start + 1 + j)) for j in range(len(props))]
+            if any(q is None for q in qs):
+                raise ValueError(f"replay of {rid!r}: no draft distribution for the verify at step {plan.index}")
+            r0 = first_row[rid]
+            rows = np.stack([logits(x) for x in range(r0, r0 + len(s.logit_rows))])
+            rec: list = []
+            _, toks = accept_sampled(Proposal(props, qs), rows, sampling, s.start + 1, draws=rec,
+                                     uniform=self.uniform(rid))
+            for pos, d in rec:
+                self.emit_draw(plan.index, rid, pos, d)
+            for i, t in enumerate(toks):
+                chosen[(rid, s.start + 1 + i)] = int(t)
+        for site in sorted(sites, key=lambda x: (x.request_id, x.position)):
+            r = row_of.get((site.request_id, site.position))
+            if r is None:
+                continue
+            key = (site.request_id, site.position)
+            sampling = self.req[site.request_id].sampling
+            tok = chosen.get(key)
+            if tok is None and sampling.greedy:
+                tok = int(argmax(r))
+            elif tok is None:  # a plain sample, or a verify row past where the replay itself rejected
+                u = self.uniform(site.request_id)(site.position, smp.PURPOSE_SAMPLE)
+                tok, d = smp.draw_traced(smp.probs(logits(r), sampling), u)
+                if not any(s.request_id == site.request_id and s.phase == VERIFY for s in plan.slices):
+                    self.emit_draw(plan.index, site.request_id, site.position, d)
+            ev = event(plan.index, site.request_id, site.position, tok, site.spec, r, sampling)
+            self.generated[site.request_id].append(tok)
+            self.topk[site.request_id][0].append(ev.topk_ids)
+            self.topk[site.request_id][1].append(ev.topk_logits)
+            self.run.e._emit("on_token", ev)
 
 
 def recorded_draws(trace) -> dict[tuple[str, int, str], float]:

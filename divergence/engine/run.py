@@ -76,6 +76,7 @@ class Run:
         num_blocks = engine.num_blocks or max(need, 1)
         self.want_kv = engine._wants("wants_kv_hashes")
         self.want_routing = engine._wants("wants_routing")
+        self.want_records = engine._wants("wants_records")
         self._kbuf: list[tuple[str, object]] | None = None
         emit_k = self._on_kernel if engine._wants("wants_kernels") else None
         prefix = engine.prefix_caching or schedule == WARM
@@ -206,7 +207,7 @@ class Run:
                 continue
             sampled = self.collect(launch)
             for i, s in enumerate(seqs):
-                tok, q = self._propose_one(s, sampled, i, len(s.tokens) + j)
+                tok, q = self._propose_one(s, sampled, i, len(s.tokens) + j, launch.plan.index)
                 props[s.id].tokens.append(tok)
                 props[s.id].q.append(q)
                 last[s.id] = tok
@@ -225,11 +226,23 @@ class Run:
         sampled = self.collect(verify)
         self._commit(sched, verify, sampled)
 
-    def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int):
+    def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int, step: int):
         if s.request.sampling.greedy:
             return int(sampled.ids[row]), None
         q = smp.probs(sampled.logits(row), s.request.sampling)
-        return smp.draw(q, smp.uniform(s.request.sampling, pos, smp.PURPOSE_DRAFT)), q
+        tok, rec = smp.draw_traced(q, smp.uniform(s.request.sampling, pos, smp.PURPOSE_DRAFT), smp.PURPOSE_DRAFT)
+        self.emit_draws(step, s.id, [(pos, rec)])
+        return tok, q
+
+    def emit_draws(self, step: int, rid: str, draws: list) -> None:
+        """The sampler's uniform draws, as records of the trace's draws table."""
+        if not self.want_records:
+            return
+        for pos, d in draws:
+            cols = d.record(step, rid, pos)
+            for ob in self.e.observers:
+                if getattr(ob, "wants_records", False):
+                    ob.on_record("draws", **cols)
 
     def _verify_tokens(self, plan: StepPlan, queued: _Round) -> mx.array:
         """The step's input rows: prefill rows and each verify's last token from the host,
@@ -398,13 +411,18 @@ class Run:
                 if seq.request.sampling.greedy:
                     j, toks = accept_greedy(prop.tokens, sampled.ids[r : r + n])
                 else:
-                    j, toks = accept_sampled(prop, sampled.rows(r, r + n), seq.request.sampling, len(seq.tokens))
+                    rec: list = []
+                    j, toks = accept_sampled(prop, sampled.rows(r, r + n), seq.request.sampling, len(seq.tokens),
+                                             draws=rec)
+                    self.emit_draws(plan.index, seq.id, rec)
                 seq.proposed += len(prop.tokens)
                 seq.accepted += j
                 sched.accepted(seq, j)
                 self._append(seq, toks, plan.index, sampled, r, [SPEC_ACCEPTED] * j + [SPEC_CORRECTED])
             elif n:
-                tok = smp.choose(seq.request.sampling, sampled, r, len(seq.tokens))
+                rec = []
+                tok = smp.choose(seq.request.sampling, sampled, r, len(seq.tokens), draws=rec)
+                self.emit_draws(plan.index, seq.id, rec)
                 self._append(seq, [tok], plan.index, sampled, r, [SPEC_NONE])
             r += n
         for seq in [sched.by_id[sl.request_id] for sl in plan.slices]:
@@ -419,7 +437,7 @@ class Run:
                 break
             pos = len(seq.tokens)
             seq.tokens.append(int(tok))
-            ev = smp.token_event(step, seq.id, pos, tok, spec[i], sampled, row + i)
+            ev = smp.token_event(step, seq.id, pos, tok, spec[i], sampled, row + i, sampling=seq.request.sampling)
             self.topk[seq.id][0].append(ev.topk_ids)
             self.topk[seq.id][1].append(ev.topk_logits)
             self.e._emit("on_token", ev)

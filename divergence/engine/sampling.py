@@ -35,9 +35,11 @@ class DeviceSample:
     chosen: mx.array | None  # [R] float32: the logit of ids
     full: mx.array | None  # [S, vocab] float32: the rows that sample with temperature
     full_rows: tuple[int, ...] = ()
+    lse: mx.array | None = None  # [R] float32 logsumexp of each row (a greedy token's probability)
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in (self.ids, self.top_ids, self.top_vals, self.chosen, self.full) if a is not None]
+        return [a for a in (self.ids, self.top_ids, self.top_vals, self.chosen, self.full, self.lse)
+                if a is not None]
 
 
 def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: bool = True) -> DeviceSample:
@@ -49,17 +51,18 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
         return DeviceSample(z, None, None, None, None, ())
     # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
     ids = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
-    top_ids = top_vals = chosen = None
+    top_ids = top_vals = chosen = lse = None
     if want_topk:
         k = min(top_k, logits.shape[-1])
         top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
         top_vals = mx.take_along_axis(logits, top_ids, axis=-1).astype(mx.float32)
         chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(mx.float32)
+        lse = mx.logsumexp(logits.astype(mx.float32), axis=-1)
     full = None
     full_rows = tuple(full_rows)
     if full_rows:
         full = logits[mx.array(np.asarray(full_rows, dtype=np.int32))].astype(mx.float32)
-    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows)
+    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows, lse)
 
 
 @dataclass
@@ -71,6 +74,17 @@ class Sampled:
     top_vals: np.ndarray | None = None  # [R, k] float32
     chosen: np.ndarray | None = None  # [R] float32
     full: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab]
+    lse: np.ndarray | None = None  # [R] float32 logsumexp per row
+
+    def prob_of(self, row: int, token: int, sampling: Sampling | None) -> float:
+        """A token's probability: under the request's sampler where the row samples, else
+        the plain softmax (what logprobs report); NaN where the host cannot tell."""
+        if sampling is not None and not sampling.greedy and row in self.full:
+            return float(probs(self.full[row], sampling)[token])
+        logit = self.logit_of(row, token)
+        if self.lse is None or not np.isfinite(logit):
+            return float("nan")
+        return float(np.exp(np.float64(logit) - np.float64(self.lse[row])))
 
     def logits(self, row: int) -> np.ndarray:
         """The full float32 logits of a row that samples."""
@@ -100,24 +114,33 @@ def to_host(ds: DeviceSample) -> Sampled:
         out.top_ids = np.take_along_axis(part, order, axis=-1)
         out.top_vals = np.take_along_axis(vals, order, axis=-1)
         out.chosen = np.array(ds.chosen)
+    if ds.lse is not None:
+        out.lse = np.array(ds.lse)
     if ds.full is not None:
         full = np.array(ds.full)
         out.full = {r: full[i] for i, r in enumerate(ds.full_rows)}
     return out
 
 
-def choose(sampling: Sampling, sampled: Sampled, row: int, position: int) -> int:
-    """The token a request takes at `position` from logit row `row`: greedy or a keyed draw."""
+def choose(sampling: Sampling, sampled: Sampled, row: int, position: int, *, draws: list | None = None,
+           u: float | None = None) -> int:
+    """The token a request takes at `position` from logit row `row`: greedy or a keyed draw
+    (`u`: the uniform to use instead, as replay hands back a recorded one). draws: gets
+    (position, Draw) for the draw."""
     if sampling.greedy:
         return int(sampled.ids[row])
-    return draw(probs(sampled.logits(row), sampling), uniform(sampling, position))
+    tok, rec = draw_traced(probs(sampled.logits(row), sampling), uniform(sampling, position) if u is None else u)
+    if draws is not None:
+        draws.append((position, rec))
+    return tok
 
 
 def token_event(step: int, request_id: str, position: int, token: int, spec: int, sampled: Sampled,
-                row: int) -> TokenEvent:
-    """The event of a committed token, with its logit row's top-k (one place for engine and replay)."""
+                row: int, *, sampling: Sampling | None = None) -> TokenEvent:
+    """The event of a committed token, with its logit row's top-k, its own logit and its
+    probability (one place for engine and replay)."""
     return TokenEvent(step, request_id, position, int(token), spec, sampled.top_ids[row], sampled.top_vals[row],
-                      logit=sampled.logit_of(row, int(token)))
+                      logit=sampled.logit_of(row, int(token)), prob=sampled.prob_of(row, int(token), sampling))
 
 
 def uniform(sampling: Sampling, position: int, purpose: int = PURPOSE_SAMPLE) -> float:

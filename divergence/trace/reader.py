@@ -47,6 +47,8 @@ class TokenRecords(NamedTuple):
     spec: np.ndarray
     topk_ids: np.ndarray
     topk_logits: np.ndarray
+    logit: np.ndarray | None = None  # float32 [n]: the chosen token's own logit (NaN where not recorded)
+    prob: np.ndarray | None = None  # float32 [n]: its probability under the sampler (NaN where not recorded)
 
 
 class Trace:
@@ -292,7 +294,7 @@ class Trace:
         sel = np.flatnonzero(t["request"] == self.request_index(request_id))
         sel = sel[np.argsort(t["position"][sel], kind="stable")]
         return TokenRecords(t["position"][sel], t["token"][sel], t["step"][sel], t["spec"][sel],
-                            t["topk_ids"][sel], t["topk_logits"][sel])
+                            t["topk_ids"][sel], t["topk_logits"][sel], t["logit"][sel], t["prob"][sel])
 
     @property
     def _slices(self) -> dict[str, np.ndarray]:

@@ -40,18 +40,6 @@ TEXTS = ("The socket module provides", "If the object", "Open file and return a 
 MAX_TOKENS = 16
 
 
-# Work in progress (issue 14), tracked here so that a fix shows up as an XPASS failure:
-# sampled speculative verifies are not yet replayed with the recorded draws and the
-# replay's own q.
-PENDING_REPLAY = {"threshold4-fp32-cold-k3-sampled", "native-4bit-prefix-k3-sampled"}
-PENDING_CONFIRM = {"threshold4-fp32-cold-k3-sampled"}
-
-
-def _marked(ids):
-    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="issue 14: in progress"))
-            if cell_id(c) in ids else c for c in CELLS]
-
-
 def cell_id(c) -> str:
     p, w, prefix, spec, sampled = c
     return (f"{POLICIES[p].replace(':', '')}-{WEIGHTS[w]}-{'prefix' if prefix else 'cold'}-k{3 if spec else 0}-"
@@ -114,7 +102,7 @@ def replayer():
     return Replayer()
 
 
-@pytest.mark.parametrize("c", _marked(PENDING_REPLAY), ids=cell_id)
+@pytest.mark.parametrize("c", CELLS, ids=cell_id)
 def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
     from divergence.analysis.replay import fidelity
     from divergence.trace.writer import TraceWriter
@@ -130,7 +118,7 @@ def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
             assert f.tokens_equal and f.logits_equal and f.kv_equal, (s, f.first_difference, f.kv_first_difference)
 
 
-@pytest.mark.parametrize("c", _marked(PENDING_CONFIRM), ids=cell_id)
+@pytest.mark.parametrize("c", CELLS, ids=cell_id)
 def test_every_divergence_is_confirmed(c, root, replayer):
     from divergence.analysis.bisect import bisect_traces
     from divergence.analysis.replay import make_confirmer
