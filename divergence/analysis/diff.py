@@ -64,7 +64,7 @@ class NumericDivergence:
     position: int
     step_a: int
     step_b: int
-    tokens_before_flip: int | None  # how far it precedes the token flip
+    tokens_before_flip: int | None  # how far it precedes the token flip (negative: it follows it)
     max_abs_delta_before_flip: float  # largest |Δlogit| of shared top-k ids before the flip
 
     def to_json(self) -> dict:
@@ -180,14 +180,23 @@ def _candidate(topk_ids: np.ndarray, topk_logits: np.ndarray, token: int, own_lo
 
 
 def numeric_rows(ids_a, logits_a, ids_b, logits_b) -> np.ndarray:
-    """bool [n]: row i's stored top-k ids or logit bits differ between the sides."""
-    bits_a = np.asarray(logits_a, dtype=np.float32).view(np.uint32)
-    bits_b = np.asarray(logits_b, dtype=np.float32).view(np.uint32)
+    """bool [n]: row i's stored top-k logit bits differ, or its ids do. Ids tied with the
+    row's k-th logit are exempt: which of several exactly equal logits makes the cut is
+    a presentation choice (traces before the engine broke such ties by lower id kept an
+    arbitrary one), not a numeric difference."""
+    la = np.asarray(logits_a, dtype=np.float32)
+    lb = np.asarray(logits_b, dtype=np.float32)
     ids_a, ids_b = np.asarray(ids_a), np.asarray(ids_b)
-    if bits_a.shape != bits_b.shape:  # traces with another top-k: compare the common width
-        k = min(bits_a.shape[-1], bits_b.shape[-1])
-        bits_a, bits_b, ids_a, ids_b = bits_a[..., :k], bits_b[..., :k], ids_a[..., :k], ids_b[..., :k]
-    return (bits_a != bits_b).any(axis=-1) | (ids_a != ids_b).any(axis=-1)
+    if la.shape != lb.shape:  # traces with another top-k: compare the common width
+        k = min(la.shape[-1], lb.shape[-1])
+        la, lb, ids_a, ids_b = la[..., :k], lb[..., :k], ids_a[..., :k], ids_b[..., :k]
+    bits = (la.view(np.uint32) != lb.view(np.uint32)).any(axis=-1)
+    if la.size == 0:
+        return bits
+    with np.errstate(invalid="ignore"):
+        cut = np.where(np.isfinite(la), la, np.inf).min(axis=-1, keepdims=True)
+        strict = ~(la == cut)  # entries above the cut (and pads), whose ids must agree
+    return bits | ((ids_a != ids_b) & strict).any(axis=-1)
 
 
 def abs_delta_rows(ids_a, logits_a, ids_b, logits_b) -> np.ndarray:
@@ -235,6 +244,7 @@ def diff_request(rid: str, prompt_len: int, ta, tb, *, truncated: bool = False, 
     if numeric.size:
         j = int(numeric[0])
         end = int(flip[0]) + 1 if flip.size else n
+        end = max(end, j + 1)  # logits first differ after the flip (a sampler flip): that row's own delta
         diff.first_numeric_divergence = NumericDivergence(
             position=int(ta.positions[j]), step_a=int(ta.steps[j]), step_b=int(tb.steps[j]),
             tokens_before_flip=(int(flip[0]) - j) if flip.size else None,

@@ -159,8 +159,9 @@ class Replayer:
             t = trace.tokens(req.id)
             sites += [TokenSite(int(st), req.id, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
         plans = list(trace.iter_plans())
+        forced = with_recorded_attention(trace, plans, forced or {})
         return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
-                            forced=forced or {}, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
+                            forced=forced, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
 
     def replay_to_file(self, trace, out, *, forced=None) -> ReplayReport:
         from ..trace.reader import Trace
@@ -172,6 +173,31 @@ class Replayer:
             result = self.run(trace, forced=forced, observers=[writer])
         with Trace.open(out) as replayed:
             return fidelity(trace, replayed, forced or {}, result.seconds, str(out))
+
+
+def with_recorded_attention(trace, plans, forced: dict) -> dict:
+    """Every step not forced otherwise runs the attention kernel it recorded, so a replay
+    stays bit for bit the recording when the rule that picks attention kernels changes;
+    traces recorded before attention was a recorded op ran it per sequence."""
+    from ..core.names import ATTENTION, PER_SEQ
+    from ..core.policy import KernelPolicy
+
+    ks = trace.kernels()
+    recorded: dict[int, str] = {}
+    for step, op, kernel in zip(ks["step"], ks["op"], ks["kernel"]):
+        if str(op) == ATTENTION:
+            recorded.setdefault(int(step), str(kernel))
+    default = None if recorded else PER_SEQ
+    out = dict(forced)
+    for p in plans:
+        kernel = recorded.get(p.index, default)
+        if kernel is None or p.index in out:
+            continue
+        try:
+            out[p.index] = {ATTENTION: KernelPolicy.parse(kernel)}
+        except PolicyError:  # another engine's attention kernel name: nothing of ours to pin
+            continue
+    return out
 
 
 def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) -> ReplayReport:
@@ -407,10 +433,67 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
             first = int(bad[0]) if bad.size else None
         return same, bitwise, first
 
+    def decision(forced: dict, rid: str, position: int, purpose: str, until: int):
+        """The replay's own draw of (request, position, purpose) with these steps forced."""
+        from ..core.events import Observer
+
+        class Draws(Observer):
+            wants_records = True
+
+            def __init__(self):
+                self.got = {}
+
+            def on_record(self, table, **c):
+                if table == "draws" and c["request"] == rid and c["position"] == position \
+                        and c["purpose"] == purpose and c["step"] <= until:
+                    self.got = c
+
+        rec = Draws()
+        replayer.run(b, forced=forced, observers=[rec])
+        return rec.got
+
+    def confirm_draw(cause, rd):
+        """A sampler cause: B's plans carry B's own proposals (teacher-forced), so the proof is
+        at the decision itself: with the draft's step run as A ran it, the draw that decided
+        differently (proposal, accept test, residual) decides as it did in A."""
+        story, tok = cause.sampler, rd.first_divergent_token
+        want = story.a
+
+        def same(got) -> bool:
+            if not got:
+                return False
+            if story.purpose == "accept":
+                return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == want.accepted
+            return int(got["token"]) == want.token
+
+        what_a = (("accept" if want.accepted else "reject") + f" token {want.token}" if story.purpose == "accept"
+                  else f"draw token {want.token}")
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
+        name = "accept test" if story.purpose == "accept" else f"{story.purpose} draw"
+        goal = f"makes the {name} of {rd.id} at position {story.position} {what_a}, as in {label_a}"
+        if same(decision(forced, rd.id, story.position, story.purpose, tok.step_b)):
+            return True, f"replaying {label_b} with {_forcing_words(forced, label_a)} {goal}"
+        from .bisect import draft_step
+
+        da, db = draft_step(a, rd.id, tok.position, tok.step_a), draft_step(b, rd.id, tok.position, tok.step_b)
+        pairs = _suspect_steps(a, b, rd.id, tok.position, da, db, "draft") if da is not None and db is not None else {}
+        pairs[cause.b.step] = cause.a.step
+        if len(pairs) > 1:
+            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
+            forced2[cause.b.step] = forced[cause.b.step]
+            if same(decision(forced2, rd.id, story.position, story.purpose, tok.step_b)):
+                return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal} (step "
+                              f"{cause.b.step} alone does not: {len(pairs) - 1} other "
+                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
+        return False, (f"replaying {label_b} with {_forcing_words(forced, label_a)}: the {story.purpose} draw of "
+                       f"{rd.id} at position {story.position} still decides otherwise than in {label_a}")
+
     def confirm(cause, rd):
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         if cause.kind == "sampler" and cause.model != "draft":
             return None, "a sampler cause with equal logits and no draft involved has no kernel to force"
+        if cause.kind == "sampler" and cause.sampler is not None:
+            return confirm_draw(cause, rd)
         logits_only = tok is None and num is not None
         if logits_only:  # tokens equal, logits not (--bitwise): prove it on the bits
             n, pos, step_a, step_b = num.position - rd.prompt_len + 1, num.position, num.step_a, num.step_b

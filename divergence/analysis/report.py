@@ -63,9 +63,13 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
                          f"{_fmt(c.runner_up_logit)}{margin}")
     n = r.first_numeric_divergence
     if n is not None and not r.logits_only:
-        ahead = f" ({n.tokens_before_flip} tokens earlier)" if n.tokens_before_flip else ""
-        lines.append(f"    first numeric difference at position {n.position}{ahead}, "
-                     f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
+        if n.tokens_before_flip is not None and n.tokens_before_flip < 0:
+            lines.append(f"    logits bitwise equal up to the flip; they first differ at position {n.position}, "
+                         f"after it (max |Δlogit| there {n.max_abs_delta_before_flip:.3g})")
+        else:
+            ahead = f" ({n.tokens_before_flip} tokens earlier)" if n.tokens_before_flip else ""
+            lines.append(f"    first numeric difference at position {n.position}{ahead}, "
+                         f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
     if cause is not None:
         lines += cause_lines(r, cause, label_a, label_b, confirm_requested)
     if r.truncated:

@@ -5,6 +5,7 @@ of a random qwen3 fp32 model under `native` on the optimized BLAS (--bitwise).""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -109,3 +110,97 @@ def test_logit_only_drift_gets_a_root_cause_and_a_confirmation_with_bitwise(qwen
     text = capsys.readouterr().out
     assert "first op that differed: layer 0 " in text and " differ first (max |Δ| " in text
     assert "input_layernorm" in text and "equal" in text
+
+
+def _sampled_prompts(path, texts, max_tokens):
+    return _prompts(path, [{"id": f"r{i}", "prompt": t, "arrival": 2 * i, "max_tokens": max_tokens,
+                            "temperature": 0.8, "top_p": 0.95, "seed": 7 + i} for i, t in enumerate(texts)])
+
+
+def test_sampling_with_speculative_decoding_is_replayed_and_confirmed(tmp_path, capsys):
+    """Temperature 0.8, top_p 0.95, a seed per request, spec k=3 under threshold:4: the
+    rejection test must replay exactly what the recording accepted, and every divergence
+    (tokens, and logits with --bitwise) is confirmed; the flips say where u fell."""
+    texts = ["The socket module provides", "Return the number of", "If the object", "Open file and return a stream."]
+    prompts = _sampled_prompts(tmp_path / "p.jsonl", texts, 24)
+    out = tmp_path / "traces"
+    assert main(["run", "--prompts", str(prompts), "--spec-k", "3", "--policy", "threshold:4", "--ignore-eos",
+                 "--out", str(out), "--json"]) == 0
+    for name in ("serial", "concurrent"):
+        _replay_is_faithful(capsys, out / f"{name}.h5")
+    with Trace.open(out / "concurrent.h5") as b:  # the engine recorded every draw, rejection tests included
+        purposes = set(b.table("draws")["purpose"])
+        assert {"draft", "accept"} <= purposes and purposes & {"residual", "sample"}
+    rc, report = _bisect(capsys, out / "serial.h5", out / "concurrent.h5", "--bitwise")
+    assert rc == 1
+    diverged = [r for r in report["requests"] if r["status"] == "diverged"]
+    flips = [r for r in diverged if r["first_divergent_token"] is not None]
+    assert flips
+    for r in diverged:
+        assert r["root_cause"] is not None and r["confirmed"] is True, (r["id"], r["root_cause"])
+    for r in flips:
+        story = r["root_cause"]["sampler"]
+        assert story is not None and story["text"].startswith("u = "), r["id"]
+        for side in ("a", "b"):
+            assert r["first_divergent_token"][side]["logit"] is not None  # the token's own logit, never nan
+    capsys.readouterr()
+    main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5"), "--bitwise"])
+    text = capsys.readouterr().out
+    assert "fell in token" in text and not re.search(r"\bnan\b", text, re.I)
+
+
+@pytest.fixture
+def draft_only_row_dependent(monkeypatch):
+    """A stand-in backend on which only the draft's shapes (hidden 128) depend on the row
+    count (split-K above one row): the target's logits stay bitwise equal under batching,
+    the draft's q moves, and with it the sampled tokens."""
+    from divergence.engine import kernels
+
+    native = kernels.run_native
+
+    def run_native(x, op):
+        if (op.k != 128 and op.n != 128) or x.shape[0] <= 1:
+            return native(x, op)
+        return kernels.run_gemm(x, op, kernels.gemm_splits(x.shape[0], op.n, op.k))
+
+    monkeypatch.setattr(kernels, "run_native", run_native)
+
+
+def test_a_sampler_cause_is_led_by_the_draft_step_and_confirmed_at_the_draw(tmp_path, capsys,
+                                                                          draft_only_row_dependent):
+    texts = ["The socket module provides", "Return the number of", "If the object", "Open file and return a stream."]
+    prompts = _sampled_prompts(tmp_path / "p.jsonl", texts, 32)
+    out = tmp_path / "traces"
+    assert main(["run", "--prompts", str(prompts), "--spec-k", "3", "--policy", "native", "--ignore-eos",
+                 "--out", str(out), "--json"]) == 0
+    rc, report = _bisect(capsys, out / "serial.h5", out / "concurrent.h5")
+    assert rc == 1
+    diverged = [r for r in report["requests"] if r["status"] == "diverged"]
+    assert diverged
+    for r in diverged:
+        c = r["root_cause"]
+        assert c["kind"] == "sampler" and c["model"] == "draft", (r["id"], c["kind"])
+        assert r["first_numeric_divergence"] is None or \
+            r["first_numeric_divergence"]["position"] > r["first_divergent_token"]["position"]
+        assert c["sampler"]["purpose"] in ("draft", "accept", "residual")
+        assert r["confirmed"] is True, c["confirm_detail"]
+        assert f"as in serial" in c["confirm_detail"]
+        assert c["first_op"] is not None  # the draft step's own op that differed
+    capsys.readouterr()
+    main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5")])
+    text = capsys.readouterr().out
+    assert "root cause: sampler: the target's logits are bitwise equal up to the flip; the draft's q differs:" in text
+    assert re.search(r"u = 0\.\d{5} \(.*\) fell in token \d+'s interval \[0\.\d{4}, 0\.\d{4}\) in serial and in "
+                     r"token \d+'s \[0\.\d{4}, 0\.\d{4}\) in concurrent", text)
+
+
+def test_a_trace_from_before_draws_and_schema_2_still_replays_bit_for_bit(capsys):
+    """The committed schema-1 demo pair (no draws, no token logits) replays faithfully."""
+    from divergence.fixtures import DRAFT, TARGET
+    from pathlib import Path
+
+    v1 = Path(__file__).resolve().parents[2] / "traces" / "v1" / "concurrent.h5"
+    capsys.readouterr()
+    assert main(["replay", str(v1), "--model", str(TARGET), "--draft", str(DRAFT), "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["faithful"], r
