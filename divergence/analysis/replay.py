@@ -32,13 +32,14 @@ class ReplayReport:
     seconds: float
     original_seconds: float
     diff: DiffReport | None = field(default=None, repr=False)
+    draws_equal: bool | None = None  # the sampler's draws and their outcomes; None when either has none
 
     def to_json(self) -> dict:
         return {"source": self.source, "out": self.out, "forced": {str(k): v for k, v in self.forced.items()},
                 "faithful": self.faithful, "tokens_equal": self.tokens_equal, "logits_equal": self.logits_equal,
                 "kv_equal": self.kv_equal, "first_difference": self.first_difference,
                 "kv_first_difference": self.kv_first_difference, "seconds": self.seconds,
-                "original_seconds": self.original_seconds}
+                "original_seconds": self.original_seconds, "draws_equal": self.draws_equal}
 
 
 def parse_force(items) -> dict:
@@ -214,10 +215,27 @@ def fidelity(original, replayed, forced: dict, seconds: float, out: str | None) 
     kv_equal, kv_first = None, None
     if original.has_kv_hashes and replayed.has_kv_hashes:
         kv_equal, kv_first = _compare_kv(original, replayed)
-    faithful = tokens_equal and logits_equal and kv_equal is not False
+    draws_equal = _compare_draws(original, replayed)
+    faithful = tokens_equal and logits_equal and kv_equal is not False and draws_equal is not False
     total = float(np.sum(original.steps["duration"])) if original.num_steps else 0.0
     return ReplayReport(str(original.path), out, describe_forced(forced), faithful, tokens_equal,
-                        logits_equal, kv_equal, first, kv_first, seconds, total, d)
+                        logits_equal, kv_equal, first, kv_first, seconds, total, d, draws_equal)
+
+
+def _compare_draws(a, b) -> bool | None:
+    """The same draws (step, request, position, purpose, u, token, outcome range), in any order."""
+    from .sampler import has_draws
+
+    if not (has_draws(a) and has_draws(b)):
+        return None
+
+    def rows(t):
+        d = t.table("draws")
+        ints = zip(*(np.asarray(d[c]).tolist() for c in ("step", "request", "position", "token")))
+        bits = zip(*(np.asarray(d[c], np.float64).view(np.uint64).tolist() for c in ("value", "lo", "hi")))
+        return sorted((i, str(p), f) for i, p, f in zip(ints, d["purpose"], bits))
+
+    return rows(a) == rows(b)
 
 
 def _compare_kv(a, b):

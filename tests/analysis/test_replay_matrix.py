@@ -13,7 +13,7 @@ three two-level factors chosen so that every pair of levels of any two factors a
 in some cell (checked below). Every cell runs all three schedules, so schedule pairs
 with every other factor too. In each cell:
 - the unforced replay of each of the three traces equals the original bit for bit
-  (tokens, top-k logits, KV hashes);
+  (tokens, top-k logits, KV hashes, and for sampled cells every draw and its outcome);
 - for the serial/concurrent and serial/warm pairs, every request that diverges, logits
   included (--bitwise), gets a root cause and `bisect --confirm` confirms it.
 """
@@ -116,6 +116,9 @@ def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
             with Trace.open(path) as r:
                 f = fidelity(t, r, {}, 0.0, None)
             assert f.tokens_equal and f.logits_equal and f.kv_equal, (s, f.first_difference, f.kv_first_difference)
+            sampled = c[4]
+            # sampled cells: the replay drew the same uniforms with the same outcomes, rejection tests included
+            assert f.draws_equal is (True if sampled else None), s
 
 
 @pytest.mark.parametrize("c", CELLS, ids=cell_id)
