@@ -30,10 +30,14 @@ def main(args) -> int:
     print(f"replayed {r.source} -> {r.out} (forced: {forced})")
     print(f"  {r.seconds:.2f} s (original steps took {r.original_seconds:.2f} s)")
     if r.faithful:
-        print("  faithful: tokens, logits" + (" and KV hashes" if r.kv_equal else "") + " are bitwise equal")
+        what = ["tokens", "logits"] + (["KV hashes"] if r.kv_equal else []) + (["sampler draws"] if r.draws_equal else [])
+        print(f"  faithful: {', '.join(what[:-1])} and {what[-1]} are bitwise equal")
     else:
-        print(f"  differs: tokens equal {r.tokens_equal}, logits equal {r.logits_equal}, KV equal {r.kv_equal}")
+        draws = "" if r.draws_equal is None else f", draws equal {r.draws_equal}"
+        print(f"  differs: tokens equal {r.tokens_equal}, logits equal {r.logits_equal}, KV equal {r.kv_equal}{draws}")
         if r.first_difference:
             print(f"  first difference: request {r.first_difference['request']} at position "
                   f"{r.first_difference['position']}")
+        if r.kv_first_difference and r.kv_first_difference.get("reason"):
+            print(f"  first K/V difference: {r.kv_first_difference['reason']}")
     return 0
