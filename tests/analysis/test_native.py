@@ -147,8 +147,12 @@ def test_browser_labels_native_kernels_with_their_class(gpu_like):
         with Trace.open(gpu_like / "concurrent.h5") as b:
             small_step = next(p.index for p in b.iter_plans() if p.model == "target" and p.rows == 4)
         small = idx.row(idx.row_of_step(small_step))
+        tags = []
         for label in (big.kernels["attn"], small.kernels["attn"]):
-            assert label.startswith("native/") and len(label) == len("native/") + 4
-        assert big.kernels["attn"] != small.kernels["attn"]  # another kernel class
+            attention, tag = label.split()  # the step's attention kernel, then the linear ops' class tag
+            assert attention in ("per-seq", "batched")
+            assert tag.startswith("native/") and len(tag) == len("native/") + 4
+            tags.append(tag)
+        assert tags[0] != tags[1]  # another kernel class
     finally:
         data.close()
