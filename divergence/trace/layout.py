@@ -11,6 +11,7 @@ tails into the bodies, so a completed trace is plain compressed tables.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -76,8 +77,11 @@ class Commit:
 
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
            widths: dict) -> tuple[h5py.File, dict, dict]:
-    """A new trace file in SWMR mode with every table created: (file, tables, dtypes)."""
-    f = h5py.File(path, "w", libver="latest")
+    """A new trace file in SWMR mode with every table created: (file, tables, dtypes, commit).
+    Made under a temporary name and renamed once in SWMR mode, so that a reader never
+    opens it half made (HDF5 refuses that file with a lock error)."""
+    tmp = path.with_name(path.name + ".new")
+    f = h5py.File(tmp, "w", libver="latest")
     try:
         f.attrs["format"] = S.FORMAT
         f.attrs["schema_version"] = S.SCHEMA_VERSION
@@ -113,7 +117,8 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
             dt = dtypes[name] = S.record_dtype(t, widths)
             rows = max(16, S.CHUNK_BYTES // dt.itemsize)
             body = f.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dt, chunks=(rows,), **S.COMPRESSION)
-            tail = tails.create_dataset(name, shape=(2, rows), dtype=dt, chunks=(1, rows))
+            # small tail chunks: only what a tail holds gets file space (a closed file keeps it)
+            tail = tails.create_dataset(name, shape=(2, rows), dtype=dt, chunks=(1, max(1, rows // 8)))
             tables[name] = TableFile(body, tail)
         f.attrs["tables"] = _json({name: {"description": t.description,
                                           "columns": {c: col.description for c, col in t.columns.items()}}
@@ -125,8 +130,10 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         commit = Commit(f.create_dataset(S.COMMIT, data=np.zeros(shape, np.int64), chunks=shape), tables)
         f.swmr_mode = True  # no new objects or attributes from here on
         f.flush()
+        os.replace(tmp, path)
     except BaseException:
         f.close()
+        tmp.unlink(missing_ok=True)
         raise
     return f, tables, dtypes, commit
 

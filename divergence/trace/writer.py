@@ -70,6 +70,7 @@ class TraceWriter(Observer):
         self._batch = Batch()
         self._last_handoff = 0.0
         self.durable_steps = 0  # steps on disk (set by the flush thread after each file flush)
+        self._started = False
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
@@ -90,18 +91,24 @@ class TraceWriter(Observer):
             v = self._widths.get(key, (info.settings or {}).get(key, config.get(key)))
             if isinstance(v, int) and v > 0:
                 widths.setdefault(key, v)
-        with H5_LOCK:
-            self.f, self.tables, dtypes, self._commit = layout.create(self.path, info, top_k=self.top_k,
-                                                        kv_hashes=self.wants_kv_hashes, kv_hash=self.kv_hash,
-                                                        codes=self.code_tables, widths=widths)
+        dtypes = {name: S.record_dtype(t, widths) for name, t in S.TABLES.items()}
+        self._create = lambda: layout.create(self.path, info, top_k=self.top_k, kv_hashes=self.wants_kv_hashes,
+                                             kv_hash=self.kv_hash, codes=self.code_tables, widths=widths)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
         self._encoder = Encoder(dtypes, self._req_index, self.code_tables)
         self._last_handoff = time.perf_counter()
-        if self.background:
+        self._started = True
+        if self.background:  # the file is created on the flush thread too, while the engine starts
             self._queue = queue.Queue(QUEUE_BATCHES)
             self._thread = threading.Thread(target=self._flush_loop, name=f"trace-writer:{self.path.name}",
                                             daemon=True)
             self._thread.start()
+        else:
+            self._open()
+
+    def _open(self) -> None:
+        with H5_LOCK:
+            self.f, self.tables, _, self._commit = self._create()
 
     # -- events: one list append each on the engine thread ------------------------------
     def on_kernel(self, c: KernelChoice) -> None:
@@ -149,7 +156,7 @@ class TraceWriter(Observer):
 
     def flush(self) -> None:
         """Everything emitted so far is on disk when this returns."""
-        if self.f is not None:
+        if self._started:
             self._handoff(wait=True)
 
     # -- hand-off and the flush thread -----------------------------------------------------
@@ -167,6 +174,10 @@ class TraceWriter(Observer):
 
     def _flush_loop(self) -> None:
         q = self._queue
+        try:
+            self._open()
+        except BaseException as e:  # surfaced on the engine thread at its next hand-off
+            self._error = e
         while True:
             batch = q.get()
             try:
@@ -200,8 +211,9 @@ class TraceWriter(Observer):
         self.close(completed=completed)
 
     def close(self, *, completed: bool | None, raise_errors: bool = True) -> None:
-        if self.f is None:
+        if not self._started:
             return
+        self._started = False
         error = None
         try:
             self._handoff(wait=True)
@@ -209,19 +221,20 @@ class TraceWriter(Observer):
             error = e
         finally:
             self._stop_thread()
-            with H5_LOCK:
-                try:
-                    if error is None:  # tails into the bodies: a closed trace is plain tables
-                        for t in self.tables.values():
-                            t.finish()
-                        self.f.flush()
-                        self._commit.write()
-                    if completed and error is None:
-                        self.f[S.STATUS][0] = 1
-                        self.f.flush()
-                finally:
-                    self.f.close()
-                    self.f = None
+            if self.f is not None:
+                with H5_LOCK:
+                    try:
+                        if error is None:  # tails into the bodies: a closed trace is plain tables
+                            for t in self.tables.values():
+                                t.finish()
+                            self.f.flush()
+                            self._commit.write()
+                        if completed and error is None:
+                            self.f[S.STATUS][0] = 1
+                            self.f.flush()
+                    finally:
+                        self.f.close()
+                        self.f = None
         if error is not None and raise_errors:
             raise error
 

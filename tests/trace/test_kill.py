@@ -58,7 +58,11 @@ FAST = textwrap.dedent("""
     from trace.synthetic import emit_run
     W.FLUSH_SECONDS = 0.0   # a flush per step and no pause: a kill lands mid-write
     w = W.TraceWriter({path!r}, top_k=4)
-    emit_run(w, steps=100000, end=False, on_step=lambda s: s == 0 and print("started", flush=True))
+    def first(step):
+        if step == 0:
+            w.flush()  # the file exists from here on
+            print("started", flush=True)
+    emit_run(w, steps=100000, end=False, on_step=first)
 """)
 
 

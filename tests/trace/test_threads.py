@@ -83,8 +83,11 @@ LIVE = textwrap.dedent("""
     from trace.synthetic import emit_run
     W.FLUSH_SECONDS = 0.0
     w = W.TraceWriter({path!r}, top_k=4)
+    started = False
     def slow(step):
-        if step == 0:
+        global started
+        if not started and w.durable_steps:  # the file exists once the first flush is on disk
+            started = True
             print("started", flush=True)
         time.sleep(0.002)
     emit_run(w, steps=100000, end=False, on_step=slow)
