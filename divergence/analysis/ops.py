@@ -59,10 +59,14 @@ def _span(xs: list[int]) -> str:
     return ",".join(map(str, xs[:8])) + (",..." if len(xs) > 8 else "")
 
 
-def first_op_difference(a: OpRows, b: OpRows) -> OpDifference | None:
+def first_op_difference(a: OpRows, b: OpRows, only=None) -> OpDifference | None:
     """The first (layer, op), in B's forward order, where a position both sides computed
-    has other bits; None when every recorded op is equal on the common positions."""
+    has other bits; None when every recorded op is equal on the common positions.
+    only: compare just these positions (the cause's), where both sides computed them."""
     common = sorted(set(a.rows) & set(b.rows))
+    if only:
+        narrowed = [p for p in common if p in set(only)]
+        common = narrowed or common
     if not common:
         return None
     equal_in_layer: list[str] = []

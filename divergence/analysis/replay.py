@@ -323,8 +323,10 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
         if rid is not None and a.step_plan(step_a).model == b.step_plan(step_b).model:
             oa, ob = _owner(a, step_a, rid, positions, layer), _owner(b, step_b, rid, positions, layer)
             sa, sb = _slice_of(a, step_a, oa), _slice_of(b, step_b, ob)
+            # a span that starts later than B's would need B's earlier positions from a cache it
+            # never had: only spans that start as early or earlier (recomputing) are forced
             if sa is not None and sb is not None and (sa.start, sa.count) != (sb.start, sb.count) \
-                    and sa.start + sa.count <= _known_len(b, ob):
+                    and sa.start <= sb.start and sa.start + sa.count <= _known_len(b, ob):
                 return RelayoutStep(ob, sa.start, sa.start + sa.count)
         return SOLO
     return _as_a(ka, _rows_per_op(a, step_a))
@@ -668,7 +670,8 @@ def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         rb = _owner(b, cause.b.step, rd.id, cause.positions, cause.layer)
         if ra is None or rb is None:
             return None, "the root-cause steps do not both compute the request's rows"
-        d = first_op_difference(record(a, cause.a.step, ra), record(b, cause.b.step, rb))
+        d = first_op_difference(record(a, cause.a.step, ra), record(b, cause.b.step, rb),
+                                only=cause.positions)
         if d is None:
             return None, (f"every op's output rows are bitwise equal in {label_a} step {cause.a.step} and "
                           f"{label_b} step {cause.b.step} for the positions both computed")
@@ -690,14 +693,24 @@ def _owner(trace, step: int, rid: str, positions, layer: int | None = None) -> s
     cover = [s.request_id for s in slices if s.start <= p0 < s.start + s.count]
     if len(cover) <= 1:
         return cover[0] if cover else None
-    want = _cell(trace, rid, layer, p0, None)
+    check = list(positions)[:64]
+    want = [_cell(trace, rid, layer, p, None) for p in check]
     for other in cover:  # slice order is registration order: the first match owns the shared blocks
-        if want is not None and _cell(trace, other, layer, p0, step) == want:
+        if all(w is not None and _cell(trace, other, layer, p, step) == w for p, w in zip(check, want)):
             return other
     return cover[0]
 
 
 def _cell(trace, rid: str, layer: int, position: int, at_step) -> tuple | None:
-    live = trace.live_kv(rid, at_step=at_step)
-    hit = np.flatnonzero((np.asarray(live["layer"]) == layer) & (np.asarray(live["position"]) == position))
-    return (int(live["k_hash"][hit[0]]), int(live["v_hash"][hit[0]])) if hit.size else None
+    cells = _CELLS.get((id(trace), rid, at_step))
+    if cells is None:
+        live = trace.live_kv(rid, at_step=at_step)
+        cells = {(int(l), int(p)): (int(k), int(v))
+                 for l, p, k, v in zip(live["layer"], live["position"], live["k_hash"], live["v_hash"])}
+        if len(_CELLS) > 64:
+            _CELLS.clear()
+        _CELLS[(id(trace), rid, at_step)] = cells
+    return cells.get((layer, position))
+
+
+_CELLS: dict = {}  # (trace, request, step) -> {(layer, position): (k, v)}: owners are looked up cell by cell
