@@ -6,11 +6,12 @@
 1. Step breakdown (wall-clock timers wrapped around the engine's functions from
    the outside; nothing in the engine is edited), per decode step (medians over
    all decode steps of all repetitions, robust to other processes' bursts):
-   graph build (PackedForward.__call__ + greedy_rows: Python only, lazy MLX
-   ops), eval (mx.eval: the compute, plus waiting), logits to numpy, host work
-   after the forward (sampling bookkeeping, top-k, events) and the rest of the
-   loop (scheduler). Everything except eval is host time that an
-   mx.async_eval pipeline (as mlx-lm's) could hide behind the next step's compute.
+   graph build (ModelState.forward_step + sample_on_device: Python only, lazy MLX
+   ops), queue (mx.async_eval: on the CPU backend MLX keeps only a few ops in
+   flight, so most of the compute happens inside this call), wait (to_host: the
+   [rows] ids and [rows, k] top-k to the host), commit (scheduler bookkeeping,
+   tokens, events) and the rest of the loop. With the engine's overlap the next
+   step is built and queued before this one's wait.
 2. mlx-lm side by side: generate_step / BatchGenerator median step interval as shipped
    (async_eval pipelined) and with mx.async_eval replaced by mx.eval (synchronous,
    like the engine): what the overlap buys mlx-lm, and its graph-build time.
@@ -32,8 +33,7 @@ from common import mx
 import mlx.core as mxc
 from mlx_lm.generate import BatchGenerator, generate_step
 
-import divergence.engine.engine as E
-import divergence.engine.forward as F
+import divergence.engine.run as E
 import divergence.engine.sampling as S
 from divergence.engine.engine import Engine
 from divergence.core.request import Request
@@ -57,34 +57,32 @@ def _timed(name, fn):
     return wrapper
 
 
-def _timed_step(fn):
-    """_Run._target_step: record each step's components (deltas of T) and its wall time."""
+def _timed_commit(fn):
+    """Run._commit closes a target step: record its components (deltas of T) and when it ended."""
 
-    def wrapper(self, work):
-        before = dict(T)
-        t0 = time.perf_counter()
+    def wrapper(self, sched, launch, sampled):
         try:
-            return fn(self, work)
+            return fn(self, sched, launch, sampled)
         finally:
-            t1 = time.perf_counter()
-            rec = {k: T[k] - before.get(k, 0.0) for k in list(T)}
-            rec.update(start=t0, end=t1, decode=all(not w.prefill for w in work), rows=len(work))
+            rec = dict(T)
+            rec.update(end=time.perf_counter(), decode=all(s.phase != "prefill" for s in launch.plan.slices),
+                       rows=launch.plan.rows)
             STEPS.append(rec)
 
     return wrapper
 
 
 class Instrument:
-    """Wrap the engine's step functions (and mx.eval while the engine runs) with timers."""
+    """Wrap the engine's step functions (and mx.async_eval while the engine runs) with timers."""
 
     def __enter__(self):
-        self.saved = [(F.PackedForward, "__call__"), (S, "greedy_rows"), (E._Run, "_forward"),
-                      (E._Run, "_propose"), (E._Run, "_commit"), (mxc, "eval"), (E._Run, "_target_step")]
+        self.saved = [(E.ModelState, "forward_step"), (S, "sample_on_device"), (E.mx, "async_eval"),
+                      (S, "to_host"), (E.Run, "_commit")]
         self.orig = [getattr(o, n) for o, n in self.saved]
-        names = ["build_forward", "build_greedy", "forward_total", "propose", "commit", "eval"]
-        for (o, n), f, name in zip(self.saved[:-1], self.orig[:-1], names):
+        names = ["build_forward", "build_sample", "queue", "wait", "commit"]
+        for (o, n), f, name in zip(self.saved, self.orig, names):
             setattr(o, n, _timed(name, f))
-        setattr(E._Run, "_target_step", _timed_step(self.orig[-1]))
+        setattr(E.Run, "_commit", _timed_commit(_timed("commit", self.orig[-1])))
         return self
 
     def __exit__(self, *exc):
@@ -134,12 +132,12 @@ def engine_steps(eng, prompts, n) -> list[dict]:
     with Instrument():
         eng.run(reqs, "concurrent")
     out = []
+    keys = ("build_forward", "build_sample", "queue", "wait", "commit")
     for prev, cur in zip(STEPS, STEPS[1:]):
         if cur["decode"]:
-            d = {k: cur.get(k, 0.0) * 1000 for k in ("build_forward", "build_greedy", "eval", "forward_total", "commit")}
+            d = {k: (cur.get(k, 0.0) - prev.get(k, 0.0)) * 1000 for k in keys}
             d["step"] = (cur["end"] - prev["end"]) * 1000
-            d["target_step"] = (cur["end"] - cur["start"]) * 1000
-            d["loop"] = (cur["start"] - prev["end"]) * 1000
+            d["loop"] = d["step"] - sum(d[k] for k in keys)
             out.append(d)
     return out
 
@@ -194,25 +192,18 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
                     mlx[who]["intervals"] += r["intervals"]
                     mlx[who]["builds"] += r["builds"]
         e = {k: C.med([s[k] for s in eng_steps]) for k in eng_steps[0]}
-        build = e["build_forward"] + e["build_greedy"]
-        compute = e["eval"]
-        to_numpy = e["forward_total"] - build - compute
-        host_after = e["target_step"] - e["forward_total"]
-        host = build + max(to_numpy, 0.0) + host_after + e["loop"]
+        build = e["build_forward"] + e["build_sample"]
+        host = build + e["wait"] + e["commit"] + e["loop"]
         a_ms, s_ms = C.med(mlx[False]["intervals"]), C.med(mlx[True]["intervals"])
         row = {
             "decode_steps_measured": {"engine": len(eng_steps), "mlx_async": len(mlx[False]["intervals"]),
                                       "mlx_sync": len(mlx[True]["intervals"])},
             "engine_ms_per_step": e["step"],
             "engine_breakdown_ms": {"graph_build": build, "build_forward": e["build_forward"],
-                                    "build_greedy": e["build_greedy"], "eval": compute,
-                                    "logits_to_numpy_etc": to_numpy, "host_after_forward": host_after,
-                                    "loop_scheduler": e["loop"]},
+                                    "build_sample": e["build_sample"], "queue": e["queue"], "wait": e["wait"],
+                                    "commit_events": e["commit"], "loop_scheduler": e["loop"]},
             "engine_host_ms": host,
             "engine_host_frac": host / e["step"] if e["step"] else None,
-            # with a perfect async pipeline a step costs max(host, compute) instead of host + compute
-            "engine_ms_if_overlapped": max(host, compute),
-            "engine_overlap_speedup_bound": e["step"] / max(host, compute) if max(host, compute) else None,
             "mlx_async_ms_per_step": a_ms,
             "mlx_sync_ms_per_step": s_ms,
             "mlx_async_gain": s_ms / a_ms if a_ms else None,
@@ -221,8 +212,8 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
             "engine_speed_vs_mlx_sync": s_ms / e["step"] if e["step"] else None,
         }
         res["batches"][str(b)] = row
-        print(f"   B={b}: engine {e['step']:.2f} ms/step = build {build:.2f} + eval {compute:.2f}"
-              f" + to_numpy {to_numpy:.2f} + host after {host_after:.2f} + loop {e['loop']:.2f};"
+        print(f"   B={b}: engine {e['step']:.2f} ms/step = build {build:.2f} + queue {e['queue']:.2f}"
+              f" + wait {e['wait']:.2f} + commit {e['commit']:.2f} + loop {e['loop']:.2f};"
               f" mlx-lm async {a_ms:.2f} sync {s_ms:.2f} (build {row['mlx_graph_build_ms']:.2f})", flush=True)
         if pyinst:
             from pyinstrument import Profiler
@@ -262,12 +253,12 @@ def main():
         for b, x in r["batches"].items():
             bd = x["engine_breakdown_ms"]
             rows.append([r["model"], r["dtype"], b, C.fmt(x["engine_ms_per_step"]), C.fmt(bd["graph_build"]),
-                         C.fmt(bd["eval"]), C.fmt(bd["logits_to_numpy_etc"]), C.fmt(bd["host_after_forward"]),
-                         C.fmt(bd["loop_scheduler"]), C.fmt(x["engine_host_frac"]), C.fmt(x["engine_ms_if_overlapped"]),
+                         C.fmt(bd["queue"]), C.fmt(bd["wait"]), C.fmt(bd["commit_events"]),
+                         C.fmt(bd["loop_scheduler"]), C.fmt(x["engine_host_frac"]),
                          C.fmt(x["mlx_async_ms_per_step"]), C.fmt(x["mlx_sync_ms_per_step"]),
                          C.fmt(x["mlx_graph_build_ms"]), C.fmt(x["engine_speed_vs_mlx_async"])])
-    txt = C.table(rows, ["model", "dtype", "B", "eng ms/step", "build", "eval", "to np", "host after", "loop",
-                         "host frac", "eng if overlapped", "mlx async", "mlx sync", "mlx build", "eng/mlx speed"])
+    txt = C.table(rows, ["model", "dtype", "B", "eng ms/step", "build", "queue", "wait", "commit", "loop",
+                         "host frac", "mlx async", "mlx sync", "mlx build", "eng/mlx speed"])
     print("\n" + txt)
     C.write_json(Path(a.out), {"meta": meta, "fixture_source": where, "results": out, "table": txt.splitlines(),
                                "seconds": time.perf_counter() - t0})

@@ -31,8 +31,8 @@ class DeviceSample:
 
     ids: mx.array  # [R] mlx-lm's greedy token per logit row
     top_ids: mx.array | None  # [R, k] the k largest logits' ids (unordered)
-    top_vals: mx.array | None  # [R, k] their values, float32
-    chosen: mx.array | None  # [R] float32: the logit of ids
+    top_vals: mx.array | None  # [R, k] their values, in the model dtype
+    chosen: mx.array | None  # [R, 1] the logit of ids, in the model dtype
     full: mx.array | None  # [S, vocab] float32: the rows that sample with temperature
     full_rows: tuple[int, ...] = ()
     lse: mx.array | None = None  # [R] float32 logsumexp of each row (a greedy token's probability)
@@ -52,11 +52,12 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
     # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
     ids = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
     top_ids = top_vals = chosen = lse = None
-    if want_topk:
-        k = min(top_k, logits.shape[-1])
-        top_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
-        top_vals = mx.take_along_axis(logits, top_ids, axis=-1).astype(mx.float32)
-        chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)[:, 0].astype(mx.float32)
+    if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
+        vocab = logits.shape[-1]
+        k = min(top_k, vocab)
+        top_ids = mx.argpartition(logits, kth=vocab - k, axis=-1)[:, vocab - k :]
+        top_vals = mx.take_along_axis(logits, top_ids, axis=-1)
+        chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)
         lse = mx.logsumexp(logits.astype(mx.float32), axis=-1)
     full = None
     full_rows = tuple(full_rows)
@@ -70,7 +71,9 @@ class Sampled:
     """A step's sampling results on the host."""
 
     ids: np.ndarray  # [R] int64
-    top_ids: np.ndarray | None = None  # [R, k] int32, best first, ties by lower id
+    # [R, k] int32, best first, ties by lower id; when the k-th value is tied beyond k,
+    # which of the tied ids are kept is the backend's partition's choice (fixed per row)
+    top_ids: np.ndarray | None = None
     top_vals: np.ndarray | None = None  # [R, k] float32
     chosen: np.ndarray | None = None  # [R] float32
     full: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab]
@@ -109,17 +112,24 @@ def to_host(ds: DeviceSample) -> Sampled:
     out = Sampled(ids)
     if ds.top_ids is not None:
         part = np.array(ds.top_ids).astype(np.int32)
-        vals = np.array(ds.top_vals)
+        vals = float32(ds.top_vals)
         order = np.lexsort((part, -vals), axis=-1)
         out.top_ids = np.take_along_axis(part, order, axis=-1)
         out.top_vals = np.take_along_axis(vals, order, axis=-1)
-        out.chosen = np.array(ds.chosen)
+        out.chosen = float32(ds.chosen)[:, 0]
     if ds.lse is not None:
         out.lse = np.array(ds.lse)
     if ds.full is not None:
         full = np.array(ds.full)
         out.full = {r: full[i] for i, r in enumerate(ds.full_rows)}
     return out
+
+
+def float32(a: mx.array) -> np.ndarray:
+    """An MLX float array as numpy float32, exactly (bf16 widened through its bits)."""
+    if a.dtype == mx.bfloat16:
+        return (np.array(a.view(mx.uint16)).astype(np.uint32) << 16).view(np.float32)
+    return np.array(a).astype(np.float32)
 
 
 def choose(sampling: Sampling, sampled: Sampled, row: int, position: int, *, draws: list | None = None,
