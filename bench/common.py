@@ -64,19 +64,31 @@ def fixture_paths(target=None, draft=None) -> tuple[Path, Path, str]:
     raise SystemExit("no fixture models found (divergence.fixtures, fixtures/, /tmp/smoke); pass --target/--draft")
 
 
-def qwen_path(tokenizer_from: Path, cache_dir=None, regen: bool = False) -> Path:
-    """A random Qwen2.5-0.5B-shaped bf16 model, generated once into a temp dir and reused."""
+def qwen_path(tokenizer_from: Path, cache_dir=None, regen: bool = False, bits: int | None = None) -> Path:
+    """A random Qwen2.5-0.5B-shaped bf16 model (bits=4: quantized, group 32), generated once
+    into a temp dir and reused."""
     from divergence.testing.models import make_random_model
 
     base = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "divergence-bench"
-    path = base / "qwen0.5b-random-bf16"
+    path = base / ("qwen0.5b-random-bf16" + (f"-{bits}bit" if bits else ""))
     if regen or not _is_model_dir(path):
         t0 = time.perf_counter()
         print(f"[bench] generating the random Qwen2.5-0.5B-shaped model into {path} ...", flush=True)
         make_random_model(path, dtype="bfloat16", tokenizer_from=tokenizer_from,
-                          max_position_embeddings=32768, **QWEN05B)
+                          max_position_embeddings=32768, quantize_bits=bits, **QWEN05B)
         print(f"[bench]   done in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
+
+
+def model_path(name: str, target: Path, cache_dir=None) -> Path:
+    """fixture | fixture-4bit | qwen0.5b | qwen0.5b-4bit -> a model directory."""
+    if name == "fixture":
+        return target
+    if name == "fixture-4bit":
+        return target.parent / "target-4bit"
+    if name in ("qwen0.5b", "qwen0.5b-4bit"):
+        return qwen_path(target, cache_dir, bits=4 if name.endswith("4bit") else None)
+    raise SystemExit(f"unknown model {name!r} (expected fixture, fixture-4bit, qwen0.5b or qwen0.5b-4bit)")
 
 
 def load(path, dtype):
