@@ -22,11 +22,13 @@ class RunConfig:
     kv_hashes: bool = True
     stop_at_eos: bool = True
     tp: int = 1  # tensor-parallel degree: > 1 runs inside this process's mx.distributed group
+    prefill: str = "whole"  # where the prompt's last token is computed (engine.scheduler.PREFILL_LAYOUTS)
 
     def settings(self) -> dict:
         """The engine settings, as a trace records them (Engine.from_settings reads them)."""
         return {"policy": self.policy, "token_budget": self.token_budget, "spec_k": self.spec_k, "top_k": self.top_k,
-                "prefix_caching": self.prefix_cache, "stop_at_eos": self.stop_at_eos, "dtype": self.dtype}
+                "prefix_caching": self.prefix_cache, "stop_at_eos": self.stop_at_eos, "prefill": self.prefill,
+                "dtype": self.dtype}
 
 
 def load_models(cfg: RunConfig):

@@ -100,3 +100,70 @@ def test_probe_maps_the_backend(tmp_path):
                 for o in recorded["ops"] if (o["op"], o["shape"]) in ops}
         assert {k for k in ops if k[0] != "sdpa"} <= set(want)
         assert {k: o["classes"] for k, o in ops.items() if k in want} == want
+
+
+# -- the engine at one request is mlx-lm, bit for bit (issue 13) ---------------------------------
+QWEN05B = dict(model_type="qwen2", hidden_size=896, num_layers=24, heads=14, kv_heads=2, intermediate_size=4864,
+               vocab_size=151936, tie=True)
+B1_PROMPTS = ["Return the number of items in a container.", "The socket module provides",
+              "Convert a number or string to an integer, or return 0 if no arguments are given."]
+B1_TOKENS = 32
+
+
+class _LogitsTap:
+    """Stands in for mlx-lm's model inside generate_step and keeps each call's last-row logits."""
+
+    def __init__(self, model):
+        self._model = model
+        self.logits = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, inputs, cache=None, **kw):
+        out = self._model(inputs, cache=cache, **kw)
+        self.logits.append(out[:, -1, :])
+        return out
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
+    """Under `native` at B=1, with the prompt's last token computed as mlx-lm computes it
+    (prefill="mlx-lm": its own one-row step), the engine's greedy tokens and top-k logits
+    equal mlx-lm generate_step's own (tokens it yields, logits its model call returned), bit
+    for bit, on the Qwen2.5-0.5B shape (random weights) in bf16 and 4-bit. (With the default
+    whole-prompt prefill the last prompt row is computed inside the prefill's GEMM, where
+    mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see the README.)"""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+    from divergence.engine.model import load_model
+    from divergence.engine.sampling import float32
+    from divergence.testing.models import make_random_model
+
+    path = make_random_model(tmp_path_factory.mktemp("qwen05b"), dtype="bfloat16", quantize_bits=bits,
+                             max_position_embeddings=32768, **QWEN05B)
+    loaded = load_model(path)
+    engine = Engine(loaded, policy="native", stop_at_eos=False, prefill="mlx-lm")
+    problems = []
+    for i, text in enumerate(B1_PROMPTS):
+        prompt = loaded.encode(text)
+        got = engine.run([Request(f"r{i}", tuple(prompt), max_tokens=B1_TOKENS)], "serial").outputs[f"r{i}"]
+        tap = _LogitsTap(loaded.model)
+        want = [int(t) for t, _ in generate_step(mx.array(prompt), tap, max_tokens=B1_TOKENS)]
+        logits = tap.logits[1 : 1 + B1_TOKENS]  # [0] is the prefill of prompt[:-1]
+        if got.tokens != want:
+            first = next(j for j, (a, b) in enumerate(zip(got.tokens + [-1], want)) if a != b)
+            problems.append(f"r{i}: tokens differ from generated #{first}")
+            continue
+        for j, row in enumerate(logits):
+            ref = float32(row[0])
+            k = len(got.topk_ids[j])
+            order = np.lexsort((np.arange(ref.size), -ref))[:k]
+            if got.topk_logits[j].view(np.uint32).tolist() != ref[order].view(np.uint32).tolist():
+                problems.append(f"r{i}: top-k logits differ at generated #{j}")
+                break
+    assert not problems, problems

@@ -23,6 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--token-budget", type=int, default=256, help="rows per engine step (concurrent)")
     p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token")
     p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
+    p.add_argument("--prefill", choices=("whole", "mlx-lm"), default="whole",
+                   help="where the prompt's last token is computed: in the prefill (whole, default) or in the "
+                        "first decode step as mlx-lm does (mlx-lm: one request then gets mlx-lm's numbers exactly)")
     p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
     p.add_argument("--ignore-eos", action="store_true", default=None,
                    help="generate max_tokens even past end-of-text (on in the demo, so divergences have room)")
@@ -58,7 +61,7 @@ def main(args) -> int:
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
-                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
+                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes, prefill=args.prefill,
                     stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo),
                     tp=tp_degree(args))
     target, draft = load_models(cfg)

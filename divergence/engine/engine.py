@@ -19,11 +19,12 @@ from .forward import PackedForward
 from .model import LoadedModel, load_cached
 from .results import RequestOutput, RunResult
 from .run import Run
+from .scheduler import PREFILL_LAYOUTS, WHOLE
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "Run", "environment"]
 
 # The settings a trace records (Engine.settings) and from_settings reads back.
-SETTINGS = ("policy", "token_budget", "spec_k", "top_k", "block_size", "prefix_caching", "stop_at_eos")
+SETTINGS = ("policy", "token_budget", "spec_k", "top_k", "block_size", "prefix_caching", "stop_at_eos", "prefill")
 
 
 class Engine:
@@ -42,9 +43,13 @@ class Engine:
         stop_at_eos: bool = True,
         observers: list[Observer] | tuple = (),
         tp=None,
+        prefill: str = WHOLE,
         overlap: bool = True,
     ):
         """tp: engine.tp.TensorParallel of this process's group (None: one device).
+        prefill: where the prompt's last token is computed, "whole" (in the prefill) or
+        "mlx-lm" (in the first decode step, as mlx-lm does: at one request the engine's
+        numbers are then mlx-lm's on any backend; see scheduler.PREFILL_LAYOUTS).
         overlap: queue the next step while one computes (results are bitwise the same;
         off only to measure what it buys)."""
         self.target = target
@@ -59,6 +64,9 @@ class Engine:
             raise PromptError(f"token budget {token_budget} is smaller than one verify ({spec_k + 1} rows)")
         if top_k < 1:
             raise PromptError(f"top_k must be >= 1, got {top_k}")
+        if prefill not in PREFILL_LAYOUTS:
+            raise PromptError(f"unknown prefill layout {prefill!r} (expected {' or '.join(PREFILL_LAYOUTS)})")
+        self.prefill = prefill
         self.token_budget = token_budget
         self.top_k = top_k
         self.block_size = block_size
@@ -120,6 +128,7 @@ class Engine:
             "block_size": self.block_size,
             "prefix_caching": self.prefix_caching,
             "stop_at_eos": self.stop_at_eos,
+            "prefill": self.prefill,
             "dtype": self.target.dtype,
             **({"tp": self.tp.describe()} if self.tp is not None else {}),
         }

@@ -26,7 +26,7 @@ from .kv_events import KvLog, kv_writes
 from .model_state import ModelState
 from .moe import routing_events
 from .results import RequestOutput, RunResult
-from .scheduler import PENDING, Scheduler, Work, admit_recorded
+from .scheduler import MLX_LM, PENDING, Scheduler, Work, admit_recorded
 from .sequence import Sequence
 from .speculative import Proposal, accept_greedy, accept_sampled
 
@@ -67,7 +67,7 @@ class Run:
         self.schedule = schedule
         self.requests = list(requests)
         self.bad = dict(bad or {})
-        self.seqs = [Sequence(r) for r in requests if r.id not in self.bad]
+        self.seqs = [self._sequence(r) for r in requests if r.id not in self.bad]
         extra = engine.spec_k + 1
         # warm needs room for its warm-up copies too (replay's requests already hold them)
         factor = 2 if schedule == WARM and not recorded else 1
@@ -93,7 +93,8 @@ class Run:
         # then the requests run serially on top of it: "cold vs warm" as one more schedule.
         self.phases = [(self.seqs, schedule)]
         if schedule == WARM and not recorded:
-            warm = [Sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1)) for q in self.seqs]
+            warm = [self._sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1))
+                    for q in self.seqs]
             self.phases = [(warm, CONCURRENT), (self.seqs, SERIAL)]
             self.requests = [q.request for q in warm] + self.requests
         self.kv_log = KvLog(self.target.forward.num_layers)
@@ -105,6 +106,12 @@ class Run:
         self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
         self._done_at = 0.0  # when the last collected step's results arrived
         self._t0 = 0.0
+
+    def _sequence(self, r: Request) -> Sequence:
+        seq = Sequence(r)
+        if self.e.prefill == MLX_LM:
+            seq.prefill_end = seq.prompt_len - 1
+        return seq
 
     # -- lifecycle ---------------------------------------------------------------------
     def info(self) -> RunInfo:

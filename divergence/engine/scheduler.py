@@ -21,6 +21,14 @@ from .sequence import Sequence
 
 PENDING = -1  # a token id not known on the host yet (it is still being computed)
 
+# Where the prompt's last token is computed. "whole": inside the prefill, whose last row's
+# logits give token 1 (as vLLM and SGLang do). "mlx-lm": the prefill computes all but the
+# last prompt token, which is the first decode step's input (as mlx-lm's generate_step and
+# BatchGenerator do); at one request the engine's step shapes are then mlx-lm's, which on
+# a GPU (GEMV at one row, GEMM above) is what makes its numbers mlx-lm's bit for bit.
+WHOLE, MLX_LM = "whole", "mlx-lm"
+PREFILL_LAYOUTS = (WHOLE, MLX_LM)
+
 
 @dataclass
 class Work:
@@ -91,7 +99,7 @@ class Scheduler:
                 budget -= self.decode_rows
         for seq in self.running:
             if seq.in_prefill and budget > 0:
-                n = min(seq.prompt_len - seq.num_cached, budget)
+                n = min(seq.prefill_end - seq.num_cached, budget)
                 work.append(Work(seq, prefill=n))
                 budget -= n
         return work, admitted
@@ -127,7 +135,7 @@ class Scheduler:
             if w.prefill:
                 start = seq.num_cached
                 toks = tuple(seq.tokens[start : start + w.prefill])
-                last = start + w.prefill == seq.prompt_len
+                last = start + w.prefill == seq.prompt_len  # (never, where the last token decodes)
                 sl = SeqSlice(seq.id, PREFILL, start, len(toks), row, toks, (len(toks) - 1,) if last else ())
             elif proposals is not None:
                 toks = (seq.tokens[-1], *proposals[seq.id])
@@ -170,6 +178,8 @@ class Scheduler:
                 self.blocks.register_prefix(seq.id, seq.tokens, seq.num_cached)
             elif sl.phase == DECODE:
                 seq.num_cached = sl.start + 1
+                if seq.num_cached == seq.prompt_len:  # it fed the prompt's last token (mlx-lm layout)
+                    self.blocks.register_prefix(seq.id, seq.tokens, seq.num_cached)
 
     def accepted(self, seq: Sequence, n_accepted: int) -> None:
         """A verify kept its first n_accepted proposals: rows past them are rolled back
@@ -177,6 +187,8 @@ class Scheduler:
         n = len(seq.tokens)
         seq.num_cached = n + n_accepted
         seq.draft_cached = min(seq.draft_cached, n + n_accepted)
+        if n == seq.prompt_len:  # this verify computed the prompt's last token
+            self.blocks.register_prefix(seq.id, seq.tokens, n)
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)

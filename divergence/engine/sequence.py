@@ -18,10 +18,16 @@ class Sequence:
     # speculative decoding bookkeeping
     proposed: int = 0
     accepted: int = 0
+    # positions the prefill computes: the whole prompt (its last row's logits give token 1),
+    # or all but the last prompt token, which is then the first decode step's input, as
+    # mlx-lm does (scheduler.PREFILL_LAYOUTS)
+    prefill_end: int = -1
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.request.prompt_tokens)
+        if self.prefill_end < 0:
+            self.prefill_end = self.prompt_len
 
     @property
     def id(self) -> str:
@@ -41,5 +47,4 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        # The last prompt token is fed in the prefill too: its logits give token 1.
-        return self.num_cached < self.prompt_len
+        return self.num_cached < self.prefill_end

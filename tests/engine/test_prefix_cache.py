@@ -1,6 +1,8 @@
 """Prefix caching and the `warm` schedule: cold vs warm as one more pair to compare."""
 from __future__ import annotations
 
+import pytest
+
 from divergence.engine.engine import Engine
 from divergence.core.events import Observer
 from divergence.core.request import Request
@@ -25,9 +27,10 @@ def shared_prefix_requests(target, n=4, tokens=24):
     return [Request(f"r{i}", tuple(base[: 40 + 9 * i]), max_tokens=tokens) for i in range(n)]
 
 
-def test_warm_equals_cold_under_batch_invariant_and_frees_every_block(target):
+@pytest.mark.parametrize("prefill", ["whole", "mlx-lm"])
+def test_warm_equals_cold_under_batch_invariant_and_frees_every_block(target, prefill):
     reqs = shared_prefix_requests(target)
-    eng = Engine(target, policy="batch-invariant", stop_at_eos=False)
+    eng = Engine(target, policy="batch-invariant", stop_at_eos=False, prefill=prefill)
     cold, warm = eng.run(reqs, "serial"), eng.run(reqs, "warm")
     assert warm.prefix_hits >= 16 * len(reqs), "the warm run did not reuse cached blocks"
     for r in reqs:
@@ -36,11 +39,13 @@ def test_warm_equals_cold_under_batch_invariant_and_frees_every_block(target):
     assert cold.blocks_in_use == 0 and warm.blocks_in_use == 0
 
 
-def test_shared_prefix_reuse_in_concurrent(target):
+@pytest.mark.parametrize("prefill", ["whole", "mlx-lm"])
+def test_shared_prefix_reuse_in_concurrent(target, prefill):
     reqs = [Request(r.id, r.prompt_tokens, max_tokens=8, arrival=3 * i)
             for i, r in enumerate(shared_prefix_requests(target))]
-    plain = Engine(target, policy="batch-invariant", stop_at_eos=False).run(reqs, "concurrent")
-    cached = Engine(target, policy="batch-invariant", stop_at_eos=False, prefix_caching=True).run(reqs, "concurrent")
+    plain = Engine(target, policy="batch-invariant", stop_at_eos=False, prefill=prefill).run(reqs, "concurrent")
+    cached = Engine(target, policy="batch-invariant", stop_at_eos=False, prefix_caching=True,
+                    prefill=prefill).run(reqs, "concurrent")
     assert cached.prefix_hits > 0 and cached.blocks_in_use == 0
     assert all(cached.outputs[r.id].tokens == plain.outputs[r.id].tokens for r in reqs)
 

@@ -58,3 +58,31 @@ def test_fp32_override_matches_mlx_lm(prompts):
     loaded = load_model(TARGET, dtype="float32")
     assert loaded.dtype == "float32"
     check_against_mlx_lm(loaded, prompts[:8], n=24)
+
+
+def test_mlx_lm_prefill_layout(random_model, prompts):
+    """prefill="mlx-lm": the prefill computes all but the last prompt token and the first
+    decode step feeds that one (mlx-lm's generate_step makes the same two calls), so each
+    request's steps have mlx-lm's shapes; tokens still equal generate_step's."""
+    from divergence.core.events import Observer
+
+    class Plans(Observer):
+        def __init__(self):
+            self.plans = []
+
+        def on_step(self, e):
+            self.plans.append(e.plan)
+
+    loaded = random_model("qwen2", hidden_size=64)
+    ob = Plans()
+    engine = Engine(loaded, policy="native", stop_at_eos=False, prefill="mlx-lm", observers=[ob])
+    reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=8) for i, p in enumerate(prompts[:3])]
+    result = engine.run(reqs, "serial")
+    for r in reqs:
+        steps = [(p.index, s) for p in ob.plans for s in p.slices if s.request_id == r.id]
+        (_, pre), (_, first) = steps[0], steps[1]
+        n = len(r.prompt_tokens)
+        assert (pre.phase, pre.start, pre.count, pre.logit_rows) == ("prefill", 0, n - 1, ())
+        assert (first.phase, first.start, first.tokens) == ("decode", n - 1, (r.prompt_tokens[-1],))
+        assert result.outputs[r.id].tokens == mlx_lm_tokens(loaded, r.prompt_tokens, 8)
+    assert engine.settings()["prefill"] == "mlx-lm"

@@ -136,3 +136,13 @@ def test_sampled_requests_overlap_and_spec(target, draft, prompts):
         sync, _ = _events(target, d, reqs, "concurrent", overlap=False, spec_k=spec_k, stop_at_eos=False)
         fast, _ = _events(target, d, reqs, "concurrent", overlap=True, spec_k=spec_k, stop_at_eos=False)
         assert fast == sync
+
+
+def test_overlap_and_spec_under_the_mlx_lm_prefill_layout(target, draft, prompts):
+    reqs = _requests(target, prompts, max_tokens=8)
+    for spec_k, d in ((0, None), (2, draft)):
+        sync, _ = _events(target, d, reqs, "concurrent", overlap=False, spec_k=spec_k, stop_at_eos=False,
+                          prefill="mlx-lm")
+        fast, _ = _events(target, d, reqs, "concurrent", overlap=True, spec_k=spec_k, stop_at_eos=False,
+                          prefill="mlx-lm")
+        assert fast == sync
