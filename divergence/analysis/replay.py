@@ -472,6 +472,14 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         replayer.run(b, forced=forced, observers=[rec])
         return rec.got
 
+    def _decides_like(story, got) -> bool:
+        """The replay's draw `got` (its record) decides as A's draw of the story did."""
+        if not got:
+            return False
+        if story.purpose == "accept":
+            return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == story.a.accepted
+        return int(got["token"]) == story.a.token
+
     def confirm_draw(cause, rd):
         """A sampler cause: B's plans carry B's own proposals (teacher-forced), so the proof is
         at the decision itself: with the draft's step run as A ran it, the draw that decided
@@ -480,11 +488,7 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         want = story.a
 
         def same(got) -> bool:
-            if not got:
-                return False
-            if story.purpose == "accept":
-                return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == want.accepted
-            return int(got["token"]) == want.token
+            return _decides_like(story, got)
 
         what_a = (("accept" if want.accepted else "reject") + f" token {want.token}" if story.purpose == "accept"
                   else f"draw token {want.token}")
@@ -523,7 +527,19 @@ def make_confirmer(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}, where they first "
                 f"differed") if logits_only else f"makes {rd.id} match {label_a} up to the divergence"
 
+        story = cause.sampler if tok is not None else None
+        at_draw = story is not None and story.depends_on_draft  # the flip was the draft's own draw
+        if at_draw:
+            goal = f"makes {rd.id} match {label_a}"
+
         def check(forced):
+            if at_draw:  # B's plans carry B's proposals: match up to the flip, then the draw itself
+                same, bitwise, first = matches(rd.id, forced, n - 1)
+                decided = same and _decides_like(story, decision(forced, rd.id, story.position, story.purpose,
+                                                                 tok.step_b))
+                exact = (f" up to the flip, and there the {story.purpose} draw decides as in {label_a}"
+                         + (", bit for bit" if bitwise else " (some logits still differ)"))
+                return decided, exact, (first if not same else tok.generated_index)
             same, bitwise, first = matches(rd.id, forced, n)
             ok = bitwise if logits_only else same
             exact = "" if logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")

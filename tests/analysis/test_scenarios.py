@@ -32,6 +32,7 @@ def _replay_is_faithful(capsys, trace):
     assert main(["replay", str(trace), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["faithful"] and r["tokens_equal"] and r["logits_equal"] and r["kv_equal"], r
+    assert r["draws_equal"] is not False, r
 
 
 def test_prefix_cache_with_staggered_arrivals_is_replayed_and_confirmed(tmp_path, capsys):
@@ -204,3 +205,23 @@ def test_a_trace_from_before_draws_and_schema_2_still_replays_bit_for_bit(capsys
     assert main(["replay", str(v1), "--model", str(TARGET), "--draft", str(DRAFT), "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["faithful"], r
+
+
+def test_mlx_lm_prefill_layout_prefix_cache_and_sampled_speculation_replay_and_confirm(tmp_path, capsys):
+    """The engine's other prefill layout (the prompt's last token in the first decode step,
+    as mlx-lm does) with the prefix cache, spec k=3 and sampling, all three schedules: every
+    trace replays bit for bit (draws included) and every divergence is confirmed, the flips
+    that the draft's own proposal decided included (proven at that draw)."""
+    texts = ["The socket module provides", "Return the number of", "If the object", "Open file and return a stream."]
+    prompts = _sampled_prompts(tmp_path / "p.jsonl", texts, 24)
+    out = tmp_path / "traces"
+    assert main(["run", "--prompts", str(prompts), "--spec-k", "3", "--policy", "threshold:4", "--ignore-eos",
+                 "--prefill", "mlx-lm", "--prefix-cache", "--schedules", "serial,concurrent,warm",
+                 "--out", str(out), "--json"]) == 0
+    for name in ("serial", "concurrent", "warm"):
+        _replay_is_faithful(capsys, out / f"{name}.h5")
+    for other in ("concurrent", "warm"):
+        _, report = _bisect(capsys, out / "serial.h5", out / f"{other}.h5", "--bitwise")
+        for r in report["requests"]:
+            if r["status"] == "diverged":
+                assert r["root_cause"] is not None and r["confirmed"] is True, (other, r["id"], r["root_cause"])
