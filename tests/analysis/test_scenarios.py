@@ -185,7 +185,7 @@ def test_a_sampler_cause_is_led_by_the_draft_step_and_confirmed_at_the_draw(tmp_
             r["first_numeric_divergence"]["position"] > r["first_divergent_token"]["position"]
         assert c["sampler"]["purpose"] in ("draft", "accept", "residual")
         assert r["confirmed"] is True, c["confirm_detail"]
-        assert f"as in serial" in c["confirm_detail"]
+        assert "as in serial" in c["confirm_detail"]
         assert c["first_op"] is not None  # the draft step's own op that differed
     capsys.readouterr()
     main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5")])

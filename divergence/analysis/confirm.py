@@ -1,0 +1,420 @@
+"""Confirmation by replay: force B's root-cause step (then every suspect step) to run as
+A's ran it, and check that B then matches A up to the divergence. Forcing means A's
+kernels, or each request of the step alone (SOLO), or A's very rows (RelayoutStep)
+where the backend's kernels depend on the row count; a sampled flip that the draft
+decided is proven at that draw. Engine-free: it drives a `Replayer` (analysis.replay)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..core.labels import label_policy
+
+def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
+    """Force a B step to run every op with the kernel A's step used for it. A `native`
+    op that A ran on one row is forced to `gemv` (the native op one row at a time): on
+    a backend whose native kernel depends on the row count, that is A's kernel."""
+    from ..core.policy import KernelPolicy
+
+    out = {}
+    for op, lbl in a_step_kernels.items():
+        if lbl == "native" and a_rows is not None and a_rows.get(op) == 1:
+            lbl = "gemv"
+        out[op] = KernelPolicy.parse(label_policy(lbl))
+    return out
+
+
+def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positions=None, layer=None, *,
+                 alone: bool = False):
+    """How to make B's step compute what A's did. Where the kernel labels differ (the
+    engine's own kernels), run each op on A's kernel. Where they are the same (`native`
+    on both sides: a real backend whose kernels we do not choose), the difference is
+    the batch itself, so run each request of the step alone (SOLO), as A's did; and so
+    where A's experts ran on several kernels (one per expert's row count). Attention is
+    left out of the comparison: a step alone runs it per sequence, as A's did. Where,
+    besides, A's step computed the request's positions as another span (a prefill that
+    B split by the prefix cache or by chunking), B's step computes A's span in one pass
+    (RelayoutStep): on a backend whose kernels depend on the row count, only A's rows do.
+    alone: run the step as A ran it (SOLO / RelayoutStep) whatever the kernel labels."""
+    from ..core.names import ATTENTION
+    from ..core.policy import SOLO, RelayoutStep
+    from .bisect import step_kernels
+
+    ka = step_kernels(a, step_a)
+    kb = step_kernels(b, step_b)
+    same = {o: k for o, k in ka.items() if o != ATTENTION} == {o: k for o, k in kb.items() if o != ATTENTION}
+    if same or alone or _mixed_experts(a, step_a):
+        if rid is not None and a.step_plan(step_a).model == b.step_plan(step_b).model:
+            oa, ob = _owner(a, step_a, rid, positions, layer), _owner(b, step_b, rid, positions, layer)
+            sa, sb = _slice_of(a, step_a, oa), _slice_of(b, step_b, ob)
+            # a span that starts later than B's would need B's earlier positions from a cache it
+            # never had: only spans that start as early or earlier (recomputing) are forced
+            if sa is not None and sb is not None and (sa.start, sa.count) != (sb.start, sb.count) \
+                    and sa.start <= sb.start and sa.start + sa.count <= _known_len(b, ob):
+                return RelayoutStep(ob, sa.start, sa.start + sa.count)
+        return SOLO
+    return _as_a(ka, _rows_per_op(a, step_a))
+
+
+def _known_len(trace, rid: str) -> int:
+    """Positions whose input tokens the trace knows for a request: prompt and generated tokens."""
+    req = next(r for r in trace.requests if r.id == rid)
+    return len(req.prompt_tokens) + len(trace.tokens(rid).tokens)
+
+
+def _slice_of(trace, step: int, rid: str | None):
+    if rid is None:
+        return None
+    return next((s for s in trace.step_plan(step).slices if s.request_id == rid), None)
+
+
+def _mixed_experts(trace, step: int) -> bool:
+    """Did A's step run its experts on more than one kernel (threshold:N picks per expert
+    from the rows it received)? No single kernel then reproduces it: SOLO does."""
+    from ..core.names import EXPERTS
+
+    ks = trace.kernels(step=step)
+    sel = ks["op"] == EXPERTS
+    return len({(str(k), int(s)) for k, s in zip(ks["kernel"][sel], ks["splits"][sel])}) > 1
+
+
+def _forcing_words(forced: dict, label_a: str) -> str:
+    from ..core.policy import RelayoutStep, SoloStep
+
+    steps = sorted(forced)
+    shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
+    solo = [s for s in steps if isinstance(forced[s], (SoloStep, RelayoutStep))]
+    noun = "step" if len(steps) == 1 else "steps"
+    spans = [forced[s] for s in steps if isinstance(forced[s], RelayoutStep)]
+    span = ""
+    if spans:
+        r = spans[0]
+        more = f" (and {len(spans) - 1} more spans)" if len(spans) > 1 else ""
+        span = f", {r.request_id}'s positions {r.start}-{r.end - 1} computed in one pass as {label_a} did{more}"
+    if len(solo) == len(steps):
+        return f"{noun} {shown} run request by request (each request alone, as in {label_a}){span}"
+    if not solo:
+        return f"{noun} {shown} run on {label_a}'s kernels"
+    return (f"{noun} {shown} run as in {label_a} ({len(solo)} request by request, the rest on {label_a}'s "
+            f"kernels){span}")
+
+
+def _rows_per_op(trace, step: int) -> dict:
+    ks = trace.kernels(step=step)
+    out: dict = {}
+    for op, rows in zip(ks["op"], ks["rows"]):
+        out.setdefault(str(op), int(rows))
+    return out
+
+
+def _suspect_steps(a, b, rid: str, pos: int, step_a: int, step_b: int, model: str = "target") -> dict[int, int]:
+    """B step -> A step: the step that computed the divergent row (predicting `pos`), and
+    every step that wrote K/V it read differently from A's (their rows or kernels differ)."""
+    from .bisect import step_kernels
+
+    pairs: dict[int, int] = {step_b: step_a}
+    la = a.live_kv(rid, model=model, at_step=step_a)
+    lb = b.live_kv(rid, model=model, at_step=step_b)
+    a_cell = {(int(l), int(p)): (int(s), int(k), int(v))
+              for l, p, s, k, v in zip(la["layer"], la["position"], la["step"], la["k_hash"], la["v_hash"]) if p < pos}
+    for l, p, s, k, v in zip(lb["layer"], lb["position"], lb["step"], lb["k_hash"], lb["v_hash"]):
+        got = a_cell.get((int(l), int(p)))
+        if p < pos and got is not None and (got[1], got[2]) != (int(k), int(v)):
+            pairs.setdefault(int(s), got[0])
+    # native labels hide row-count classes: a native step whose rows differ is a suspect too
+    return {sb: sa for sb, sa in sorted(pairs.items())
+            if step_kernels(a, sa) != step_kernels(b, sb) or _rows_per_op(a, sa) != _rows_per_op(b, sb)
+            or sb == step_b}
+
+
+def _greedy(trace, rid: str) -> bool:
+    return next(r for r in trace.requests if r.id == rid).sampling.greedy
+
+
+def _draft_pairs(a, b, rid: str, until_a: int, until_b: int) -> dict[int, int]:
+    """B draft step -> A draft step, for B's draft steps of the request up to the flip, each
+    paired with A's latest draft step that predicted the same position (its q)."""
+    from .bisect import draft_step, step_kernels
+
+    out: dict[int, int] = {}
+    for plan in b.iter_plans():
+        if plan.model != "draft" or plan.index >= until_b:
+            continue
+        for s in plan.slices:
+            if s.request_id == rid:
+                sa = draft_step(a, rid, s.start + s.count, until_a)
+                if sa is not None and (step_kernels(a, sa) != step_kernels(b, plan.index)
+                                       or _rows_per_op(a, sa) != _rows_per_op(b, plan.index)):
+                    out[plan.index] = sa
+    return out
+
+
+def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
+
+    What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
+    A's logits bit for bit up to the first position where they differed. First the strong
+    claim: B with only the root-cause step run as A ran it (A's kernels, or request by
+    request where both are `native`). If other steps also differ, the weaker one: B with
+    every suspect step forced (the divergent row's step, and every step whose K/V writes
+    it read differently). A sampler cause (the draft's q) forces the draft's steps, and so
+    does any sampled token under speculative decoding. Where A's kernels do not reproduce
+    A's numbers, the steps run as A ran them: each request alone, with A's rows.
+    """
+    from ..core.policy import RelayoutStep, SoloStep
+
+    def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+        got = replayer.run(b, forced=forced).outputs[rid]
+        ta = a.tokens(rid)
+        want = [int(t) for t in ta.tokens[:n]]
+        same = list(got.tokens[:n]) == want
+        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+        lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
+        bitwise = same and la.shape == lb.shape and bool((la == lb).all())
+        first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
+        if first is None and not bitwise and la.shape == lb.shape:
+            bad = np.flatnonzero((la != lb).any(axis=1))
+            first = int(bad[0]) if bad.size else None
+        return same, bitwise, first
+
+    def decision(forced: dict, rid: str, position: int, purpose: str, until: int):
+        """The replay's own draw of (request, position, purpose) with these steps forced."""
+        from ..core.events import Observer
+
+        class Draws(Observer):
+            wants_records = True
+
+            def __init__(self):
+                self.got = {}
+
+            def on_record(self, table, **c):
+                if table == "draws" and c["request"] == rid and c["position"] == position \
+                        and c["purpose"] == purpose and c["step"] <= until:
+                    self.got = c
+
+        rec = Draws()
+        replayer.run(b, forced=forced, observers=[rec])
+        return rec.got
+
+    def _decides_like(story, got) -> bool:
+        """The replay's draw `got` (its record) decides as A's draw of the story did."""
+        if not got:
+            return False
+        if story.purpose == "accept":
+            return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == story.a.accepted
+        return int(got["token"]) == story.a.token
+
+    def confirm_draw(cause, rd):
+        """A sampler cause: B's plans carry B's own proposals (teacher-forced), so the proof is
+        at the decision itself: with the draft's step run as A ran it, the draw that decided
+        differently (proposal, accept test, residual) decides as it did in A."""
+        story, tok = cause.sampler, rd.first_divergent_token
+        want = story.a
+
+        def same(got) -> bool:
+            return _decides_like(story, got)
+
+        what_a = (("accept" if want.accepted else "reject") + f" token {want.token}" if story.purpose == "accept"
+                  else f"draw token {want.token}")
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
+        name = "accept test" if story.purpose == "accept" else f"{story.purpose} draw"
+        goal = f"makes the {name} of {rd.id} at position {story.position} {what_a}, as in {label_a}"
+        if same(decision(forced, rd.id, story.position, story.purpose, tok.step_b)):
+            return True, f"replaying {label_b} with {_forcing_words(forced, label_a)} {goal}"
+        from .bisect import draft_step
+
+        da, db = draft_step(a, rd.id, tok.position, tok.step_a), draft_step(b, rd.id, tok.position, tok.step_b)
+        pairs = _suspect_steps(a, b, rd.id, tok.position, da, db, "draft") if da is not None and db is not None else {}
+        pairs[cause.b.step] = cause.a.step
+        if len(pairs) > 1:
+            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
+            forced2[cause.b.step] = forced[cause.b.step]
+            if same(decision(forced2, rd.id, story.position, story.purpose, tok.step_b)):
+                return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal} (step "
+                              f"{cause.b.step} alone does not: {len(pairs) - 1} other "
+                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
+        return False, (f"replaying {label_b} with {_forcing_words(forced, label_a)}: the {story.purpose} draw of "
+                       f"{rd.id} at position {story.position} still decides otherwise than in {label_a}")
+
+    def confirm(cause, rd):
+        tok, num = rd.first_divergent_token, rd.first_numeric_divergence
+        if cause.kind == "sampler" and cause.model != "draft":
+            return None, "a sampler cause with equal logits and no draft involved has no kernel to force"
+        if cause.kind == "sampler" and cause.sampler is not None:
+            return confirm_draw(cause, rd)
+        logits_only = tok is None and num is not None
+        if logits_only:  # tokens equal, logits not (--bitwise): prove it on the bits
+            n, pos, step_a, step_b = num.position - rd.prompt_len + 1, num.position, num.step_a, num.step_b
+        else:
+            n = (tok.generated_index + 1) if tok is not None else rd.compared
+            pos, step_a, step_b = (tok.position, tok.step_a, tok.step_b) if tok else (0, 0, 0)
+        goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}, where they first "
+                f"differed") if logits_only else f"makes {rd.id} match {label_a} up to the divergence"
+
+        story = cause.sampler if tok is not None else None
+        at_draw = story is not None and story.depends_on_draft  # the flip was the draft's own draw
+        if at_draw:
+            goal = f"makes {rd.id} match {label_a}"
+
+        def check(forced):
+            if at_draw:  # B's plans carry B's proposals: match up to the flip, then the draw itself
+                same, bitwise, first = matches(rd.id, forced, n - 1)
+                decided = same and _decides_like(story, decision(forced, rd.id, story.position, story.purpose,
+                                                                 tok.step_b))
+                exact = (f" up to the flip, and there the {story.purpose} draw decides as in {label_a}"
+                         + (", bit for bit" if bitwise else " (some logits still differ)"))
+                return decided, exact, (first if not same else tok.generated_index)
+            same, bitwise, first = matches(rd.id, forced, n)
+            ok = bitwise if logits_only else same
+            exact = "" if logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")
+            return ok, exact, first
+
+        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
+        what = f"replaying {label_b} with {_forcing_words(forced, label_a)}"
+        ok, exact, first = check(forced)
+        if ok:
+            return True, f"{what} {goal}{exact}"
+        if cause.model == "draft":
+            from .bisect import draft_step
+
+            da, db = draft_step(a, rd.id, pos, step_a), draft_step(b, rd.id, pos, step_b)
+            pairs = _suspect_steps(a, b, rd.id, pos, da, db, "draft") if da is not None and db is not None else {}
+        elif tok is not None or logits_only:
+            pairs = _suspect_steps(a, b, rd.id, pos, step_a, step_b)
+        else:
+            pairs = {}
+        pairs[cause.b.step] = cause.a.step
+        if tok is not None and not _greedy(b, rd.id):
+            # a sampled token under speculative decoding also hangs on the draft's q: its steps too
+            pairs.update({sb: sa for sb, sa in _draft_pairs(a, b, rd.id, tok.step_a, tok.step_b).items()
+                          if sb not in pairs})
+        where = (lambda i: f"position {rd.prompt_len + i}") if logits_only else (lambda i: f"generated #{i}")
+        forced2 = forced
+        if len(pairs) > 1:
+            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
+            forced2[cause.b.step] = forced[cause.b.step]
+            ok2, exact2, first2 = check(forced2)
+            if ok2:
+                return True, (f"replaying {label_b} with {_forcing_words(forced2, label_a)} {goal}{exact2} "
+                              f"(step {cause.b.step} alone does not: {len(pairs) - 1} other "
+                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
+        # A's kernels were not enough (e.g. the engine's own gemm is built of native matmuls
+        # whose rows depend on the row count, as fp32 on OpenBLAS): run the steps as A ran
+        # them, each request alone with A's rows, whatever the kernels
+        if any(not isinstance(v, (SoloStep, RelayoutStep)) for v in forced2.values()):
+            forced3 = {sb: force_like_a(a, sa, b, sb, rd.id, cause.positions if sb == cause.b.step else None,
+                                        cause.layer, alone=True) for sb, sa in pairs.items()}
+            ok3, exact3, _ = check(forced3)
+            if ok3:
+                extra = (f" (step {cause.b.step} alone does not: {len(pairs) - 1} other "
+                         f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)") if len(pairs) > 1 else ""
+                return True, (f"replaying {label_b} with {_forcing_words(forced3, label_a)} {goal}{exact3}, where "
+                              f"{label_a}'s kernels alone were not enough{extra}")
+        if len(pairs) > 1:
+            return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
+                           f"{_forcing_words(forced2, label_a)} it differs at {where(first2)}")
+        return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"
+
+    return confirm
+
+
+def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):
+    """For traces recorded without KV hashes: binary search over B's steps.
+
+    f(m) = "replaying B with its target steps < m (those holding the request) run on
+    the kernels of A's step that computed the same positions makes the request match
+    A up to the flip". The smallest m with f(m) true names the latest step that had
+    to be forced: O(log steps) replays, each one a proof rather than a correlation.
+    """
+    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, co_batched, finished_before, step_views
+
+    def a_step_for(rid: str, until: int) -> dict[int, int]:
+        """position -> A's target step that last computed it (up to `until`)."""
+        out: dict[int, int] = {}
+        for p in a.iter_plans():
+            if p.index > until or p.model != "target":
+                continue
+            for s in p.slices:
+                if s.request_id == rid:
+                    for pos in range(s.start, s.start + s.count):
+                        out[pos] = p.index
+        return out
+
+    def bisect_one(rd):
+        tok = rd.first_divergent_token
+        if tok is None:
+            return None, 0
+        a_of = a_step_for(rd.id, tok.step_a)
+        b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= tok.step_b
+                   for s in p.slices if s.request_id == rd.id and s.start in a_of]
+        n = tok.generated_index + 1
+        want = [int(t) for t in a.tokens(rd.id).tokens[:n]]
+        replays = 0
+
+        def fixed(k: int) -> bool:  # force the first k of b_steps
+            nonlocal replays
+            replays += 1
+            forced = {sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]}
+            return list(replayer.run(b, forced=forced).outputs[rd.id].tokens[:n]) == want
+
+        if not b_steps or not fixed(len(b_steps)):
+            return None, replays
+        lo, hi = 0, len(b_steps)  # fixed(hi) holds; find the smallest such k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fixed(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return None, replays
+        step_b, start = b_steps[lo - 1]
+        step_a = a_of[start]
+        va, vb, op = step_views(a, b, step_a, step_b)
+        kind = STEP_COMPUTE if step_b == tok.step_b else CACHE_CONTAMINATION
+        sl = next(s for s in b.step_plan(step_b).slices if s.request_id == rd.id)
+        co = co_batched(b, step_b, rd.id)
+        cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
+                          finished_before(b, co, tok.step_b), op=op)
+        cause.confirmed = True
+        cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} on {label_a}'s kernels makes "
+                                f"{rd.id} match {label_a} up to the divergence, and without step {step_b} it does not "
+                                f"({replays} replays)")
+        return cause, replays
+
+    return bisect_one
+
+
+def _owner(trace, step: int, rid: str, positions, layer: int | None = None) -> str | None:
+    """The request whose slice in `step` computed the cause's positions: the request itself,
+    or (a prefix-cache hit) the request whose blocks it shares: the one whose write at that
+    step holds the very bytes the request read."""
+    slices = trace.step_plan(step).slices
+    if any(s.request_id == rid for s in slices):
+        return rid
+    if not positions:
+        return None
+    p0, layer = positions[0], layer or 0
+    cover = [s.request_id for s in slices if s.start <= p0 < s.start + s.count]
+    if len(cover) <= 1:
+        return cover[0] if cover else None
+    check = list(positions)[:64]
+    want = [_cell(trace, rid, layer, p, None) for p in check]
+    for other in cover:  # slice order is registration order: the first match owns the shared blocks
+        if all(w is not None and _cell(trace, other, layer, p, step) == w for p, w in zip(check, want)):
+            return other
+    return cover[0]
+
+
+def _cell(trace, rid: str, layer: int, position: int, at_step) -> tuple | None:
+    cells = _CELLS.get((id(trace), rid, at_step))
+    if cells is None:
+        live = trace.live_kv(rid, at_step=at_step)
+        cells = {(int(l), int(p)): (int(k), int(v))
+                 for l, p, k, v in zip(live["layer"], live["position"], live["k_hash"], live["v_hash"])}
+        if len(_CELLS) > 64:
+            _CELLS.clear()
+        _CELLS[(id(trace), rid, at_step)] = cells
+    return cells.get((layer, position))
+
+
+_CELLS: dict = {}  # (trace, request, step) -> {(layer, position): (k, v)}: owners are looked up cell by cell
