@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..core.labels import span_text
+
 
 @dataclass
 class OpRows:
@@ -42,21 +44,13 @@ class OpDifference:
             eq = "; " + (" and ".join(names) if len(names) <= 2 else ", ".join(names[:-1]) + " and " + names[-1]) \
                 + " equal"
         before = f" (every op of layers 0-{self.layer - 1} equal)" if self.layers_equal else ""
-        return (f"layer {self.layer} {self.op} rows {_span(self.rows_b)} differ first "
+        return (f"layer {self.layer} {self.op} rows {span_text(self.rows_b)} differ first "
                 f"(max |Δ| {self.max_abs_delta:.2g}){eq}{before}")
 
     def to_json(self) -> dict:
         return {"layer": self.layer, "op": self.op, "positions": self.positions, "rows_a": self.rows_a,
                 "rows_b": self.rows_b, "max_abs_delta": self.max_abs_delta, "equal_before": self.equal_before,
                 "compared_positions": self.compared_positions, "text": self.text()}
-
-
-def _span(xs: list[int]) -> str:
-    if not xs:
-        return "-"
-    if xs == list(range(xs[0], xs[-1] + 1)):
-        return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 else str(xs[0])
-    return ",".join(map(str, xs[:8])) + (",..." if len(xs) > 8 else "")
 
 
 def first_op_difference(a: OpRows, b: OpRows, only=None) -> OpDifference | None:

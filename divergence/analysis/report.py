@@ -1,7 +1,7 @@
 """Human text for diff and bisect reports: one renderer for the CLI, the pytest plugin and the TUI."""
 from __future__ import annotations
 
-from ..core.labels import composition_text
+from ..core.labels import composition_text, span_text
 from .bisect import CACHE_CONTAMINATION, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 
@@ -18,14 +18,6 @@ def _piece(vocab, token) -> str:
 
 def _fmt(x) -> str:
     return "      n/a" if x is None else f"{x:.6f}"
-
-
-def _span(positions: list[int]) -> str:
-    if not positions:
-        return "-"
-    if positions == list(range(positions[0], positions[-1] + 1)):
-        return f"{positions[0]}-{positions[-1]}" if len(positions) > 1 else str(positions[0])
-    return ", ".join(map(str, positions[:8])) + (" ..." if len(positions) > 8 else "")
 
 
 def step_text(view: StepView) -> str:
@@ -130,7 +122,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     if c.kind == CACHE_CONTAMINATION:
         word = "position" if len(c.positions) == 1 else "positions"
         layer = f"layer {c.layer}, " if c.layer is not None else ""
-        out.append(f"    root cause: {kind}, {layer}{word} {_span(c.positions)}:")
+        out.append(f"    root cause: {kind}, {layer}{word} {span_text(c.positions)}:")
         out.append(f"      written in {label_b} step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
     elif c.kind == STEP_COMPUTE:
@@ -144,7 +136,7 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     elif c.model == "draft":  # the draft's q moved the sampler: its step is the lead
         out.append(f"    root cause: {kind}: the target's logits are bitwise equal up to the flip; the draft's q differs:")
         out.append(f"      {c.sampler.text}")
-        where = (f"layer {c.layer}, {'position' if len(c.positions) == 1 else 'positions'} {_span(c.positions)} "
+        where = (f"layer {c.layer}, {'position' if len(c.positions) == 1 else 'positions'} {span_text(c.positions)} "
                  f"of the draft's cache, written" if c.layer is not None else "computed")
         out.append(f"      {where} in {label_b} draft step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      {label_a} draft step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")

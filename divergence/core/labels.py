@@ -40,3 +40,13 @@ def composition_text(slices) -> str:
         else:
             parts.append(slice_text(s.request_id, s.phase, s.start, s.count))
     return " + ".join(parts)
+
+
+def span_text(positions, *, most: int = 8) -> str:
+    """'9-12' for a run, '3, 5, 9' for scattered positions (the first `most`, then ' ...'), '-' for none."""
+    p = [int(x) for x in positions]
+    if not p:
+        return "-"
+    if p == list(range(p[0], p[-1] + 1)):
+        return f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0])
+    return ", ".join(map(str, p[:most])) + (" ..." if len(p) > most else "")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from ...core.labels import span_text
 from ..report import request_lines
 from . import data as D
 from . import plots
@@ -129,9 +130,7 @@ KIND_WORDS = {"cache_contamination": "cache contamination", "step_compute": "ste
 def _span(ps) -> str:
     if not ps:
         return ""
-    if list(ps) == list(range(ps[0], ps[-1] + 1)) and len(ps) > 1:
-        return f"positions {ps[0]}-{ps[-1]}"
-    return f"position {ps[0]}" if len(ps) == 1 else f"positions {', '.join(map(str, ps[:6]))}"
+    return ("position " if len(ps) == 1 else "positions ") + span_text(ps, most=6)
 
 
 def _headline(rc: dict, lb: str) -> str:

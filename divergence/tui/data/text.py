@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...core.labels import span_text as _span_text
+
 _CONTROL = {"\n": "⏎", "\t": "⇥", "\r": "␍"}
 
 
@@ -33,9 +35,4 @@ def fmt_delta(x) -> str:
 
 
 def span_text(positions) -> str:
-    p = list(positions)
-    if not p:
-        return "-"
-    if p == list(range(p[0], p[-1] + 1)):
-        return f"{p[0]}-{p[-1]}" if len(p) > 1 else str(p[0])
-    return ", ".join(map(str, p[:6])) + (" ..." if len(p) > 6 else "")
+    return _span_text(positions, most=6)
