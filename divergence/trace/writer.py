@@ -48,7 +48,6 @@ class TraceWriter(Observer):
     """
 
     wants_kernels = True
-    wants_topk = True
     wants_routing = True
     wants_records = True
 
