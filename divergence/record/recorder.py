@@ -267,7 +267,7 @@ class Recorder:
                                       len(kv["k_hashes"]), kv["k_hashes"], kv["v_hashes"]))
             for t in recs.get("token", ()):
                 w.on_token(TokenEvent(idx, t["request"], t["position"], t["token"], t["spec"],
-                                      t["topk_ids"].astype(np.int32), t["topk_logits"]))
+                                      t["topk_ids"].astype(np.int32), t["topk_logits"], _own_logit(t)))
             for f in recs.get("finish", ()):
                 w.on_request(RequestEvent(idx, f["request"], "finished", f["reason"]))
             w.on_step(StepEvent(plan, st["duration"]))
@@ -308,3 +308,11 @@ def _request_fields(r) -> dict:
         return {"id": r.id, "prompt": list(r.prompt_tokens), "max_tokens": r.max_tokens, "arrival": r.arrival,
                 "temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "seed": r.sampling.seed}
     raise RecordError(f"request: expected a dict or a Request, got {type(r).__name__}")
+
+
+def _own_logit(t: dict) -> float:
+    """The chosen token's own logit: as the engine gave it, else from its top-k, else unknown (NaN)."""
+    if t.get("logit") is not None:
+        return float(np.float32(t["logit"]))
+    hit = np.flatnonzero(np.asarray(t["topk_ids"]) == t["token"])
+    return float(np.asarray(t["topk_logits"], np.float32)[hit[0]]) if hit.size else float("nan")

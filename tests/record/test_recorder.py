@@ -201,3 +201,19 @@ def test_float32_decimals_of_up_to_9_digits_are_float32s():
         assert got.view(np.uint32)[0] == f.view(np.uint32), text
     with pytest.raises(RecordError, match="not a float32 value"):
         check("token", {**base, "topk_logits": [25.5712318001]})
+
+
+def test_the_chosen_tokens_own_logit_is_kept_also_outside_the_top_k(tmp_path):
+    """A sampled token outside the recorded top-k keeps its own logit (reports never say nan)."""
+    path = tmp_path / "t.h5"
+    ids = np.array([7, 8, 9], np.int32)
+    vals = np.array([3.5, 2.25, 1.0], np.float32)
+    own = np.float32(-0.123456789)
+    with Recorder(path, engine="toy", schedule="serial", requests=[{"id": "r1", "prompt": [1, 2]}]) as rec:
+        rec.step([("r1", "prefill", 0, 2)])
+        rec.token("r1", position=2, token=40, topk_ids=ids, topk_logits=vals, logit=own)
+        rec.step([("r1", "decode", 2, 1)])
+        rec.token("r1", position=3, token=8, topk_ids=ids, topk_logits=vals)  # no logit given: from the top-k
+    with Trace.open(path) as t:
+        got = t.tokens("r1").logit
+        assert got.view(np.uint32).tolist() == [own.view(np.uint32), np.float32(2.25).view(np.uint32)]
