@@ -162,8 +162,10 @@ def bench_one(name: str, path, dtype: str, sz: dict) -> dict:
     ps = C.prompts(t.encode, bmax, L)
     long_prompt = C.prompts(t.encode, 1, sz["prefill"])[0]
     clock = C.Clock()
+    # prefill="mlx-lm": the prompt's last token in the first decode step, as generate_step and
+    # BatchGenerator compute it (the same work; and on a GPU the same numbers at B=1)
     eng = Engine(t, policy="native", stop_at_eos=False, token_budget=max(256, bmax * L, sz["prefill"]),
-                 observers=[clock])
+                 observers=[clock], prefill="mlx-lm")
     model = t.model
 
     # warm-up: compiles nothing in MLX, but fills caches, allocator pools, the engine's vocab table

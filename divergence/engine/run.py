@@ -183,8 +183,10 @@ class Run:
         """Queue the next decode step, its input tokens taken on the device from this one."""
         plan = sched.target_plan(self.step, nxt, ahead=1)
         row = {sl.request_id: i for i, sl in enumerate(launch.plan.slices)}  # all-decode: one row a slice
-        idx = mx.array([row[w.seq.id] for w in nxt], dtype=mx.int32)
-        return self.launch(self.target, plan, tokens=launch.sample.ids[idx])
+        idx = [row[w.seq.id] for w in nxt]
+        ids = launch.sample.ids
+        tokens = ids if idx == list(range(ids.shape[0])) else ids[mx.array(idx, dtype=mx.int32)]
+        return self.launch(self.target, plan, tokens=tokens)
 
     def _spec_round(self, sched: Scheduler, work: list[Work], decoding: list[Sequence]) -> None:
         """k draft steps batched across the decoding sequences, then one verify step. With

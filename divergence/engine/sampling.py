@@ -36,10 +36,31 @@ class DeviceSample:
     full: mx.array | None  # [S, vocab] float32: the rows that sample with temperature
     full_rows: tuple[int, ...] = ()
     lse: mx.array | None = None  # [R] float32 logsumexp of each row (a greedy token's probability)
+    # what the host needs of the above, as uint32 bits in one [R, 1 + 2k + 2] array: one
+    # copy to the host, not five (each one a wait on a GPU)
+    packed: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
+        if self.packed is not None:
+            return [a for a in (self.packed, self.full) if a is not None]
         return [a for a in (self.ids, self.top_ids, self.top_vals, self.chosen, self.full, self.lse)
                 if a is not None]
+
+
+def _bits(a: mx.array) -> mx.array:
+    """uint32 bit patterns of an array's values (16-bit floats in the low half), exact."""
+    if a.dtype.size == 2:
+        return a.view(mx.uint16).astype(mx.uint32)
+    return a.view(mx.uint32) if a.dtype.size == 4 else a.astype(mx.uint32)
+
+
+def _widen(bits: np.ndarray, dtype) -> np.ndarray:
+    """The inverse of _bits on the host: float32 values, exact."""
+    if dtype == mx.bfloat16:
+        return (bits << 16).view(np.float32)
+    if dtype == mx.float16:
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
 
 
 def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: bool = True) -> DeviceSample:
@@ -50,20 +71,45 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
         z = mx.zeros((0,), dtype=mx.uint32)
         return DeviceSample(z, None, None, None, None, ())
     # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
-    ids = mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+    lse_model = mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids = mx.argmax(logits - lse_model, axis=-1)
     top_ids = top_vals = chosen = lse = None
     if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
-        vocab = logits.shape[-1]
-        k = min(top_k, vocab)
-        top_ids = mx.argpartition(logits, kth=vocab - k, axis=-1)[:, vocab - k :]
+        top_ids = topk_ids(logits, min(top_k, logits.shape[-1]))
         top_vals = mx.take_along_axis(logits, top_ids, axis=-1)
         chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)
-        lse = mx.logsumexp(logits.astype(mx.float32), axis=-1)
+        # float32 logsumexp for the chosen token's probability (the greedy one is it in fp32)
+        lse = lse_model[:, 0] if logits.dtype == mx.float32 else mx.logsumexp(logits.astype(mx.float32), axis=-1)
     full = None
     full_rows = tuple(full_rows)
     if full_rows:
         full = logits[mx.array(np.asarray(full_rows, dtype=np.int32))].astype(mx.float32)
-    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows, lse)
+    packed = None
+    if want_topk:
+        packed = mx.concatenate([ids[:, None].astype(mx.uint32), top_ids.astype(mx.uint32), _bits(top_vals),
+                                 _bits(chosen), _bits(lse[:, None])], axis=1)
+    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows, lse, packed)
+
+
+CHUNK = 128  # vocabulary chunk of the two-stage top-k
+
+
+def topk_ids(logits: mx.array, k: int) -> mx.array:
+    """[R, k] ids of the k largest logits of each row (unordered). Two stages: the k chunks
+    of CHUNK ids with the largest maxima hold every value above the k-th largest, and
+    enough equal to it (so the values are exact; which of the ids tied at the k-th value
+    are kept is arbitrary, as with any partition), then a partition of those k * CHUNK.
+    One pass over the vocabulary (a max) instead of a partition of it: 9.6 ms -> 1 ms at
+    [8, 151936] on this CPU."""
+    rows, vocab = logits.shape
+    if vocab % CHUNK or vocab // CHUNK <= k:
+        return mx.argpartition(logits, kth=vocab - k, axis=-1)[:, vocab - k :]
+    n = vocab // CHUNK
+    best = mx.argpartition(logits.reshape(rows, n, CHUNK).max(axis=-1), kth=n - k, axis=-1)[:, n - k :]
+    cand = (best[:, :, None] * CHUNK + mx.arange(CHUNK, dtype=best.dtype)).reshape(rows, k * CHUNK)
+    vals = mx.take_along_axis(logits, cand, axis=-1)
+    pick = mx.argpartition(vals, kth=k * CHUNK - k, axis=-1)[:, k * CHUNK - k :]
+    return mx.take_along_axis(cand, pick, axis=-1)
 
 
 @dataclass
@@ -108,9 +154,11 @@ class Sampled:
 
 def to_host(ds: DeviceSample) -> Sampled:
     """Copy a (evaluated or not) DeviceSample to the host; sorts the small top-k there."""
-    ids = np.array(ds.ids).astype(np.int64)
-    out = Sampled(ids)
-    if ds.top_ids is not None:
+    if ds.packed is not None:
+        out = _unpack(np.array(ds.packed), ds.top_vals.dtype)
+    else:
+        out = Sampled(np.array(ds.ids).astype(np.int64))
+    if ds.packed is None and ds.top_ids is not None:
         part = np.array(ds.top_ids).astype(np.int32)
         vals = float32(ds.top_vals)
         order = np.lexsort((part, -vals), axis=-1)
@@ -123,6 +171,16 @@ def to_host(ds: DeviceSample) -> Sampled:
         full = np.array(ds.full)
         out.full = {r: full[i] for i, r in enumerate(ds.full_rows)}
     return out
+
+
+def _unpack(p: np.ndarray, dtype) -> Sampled:
+    k = (p.shape[1] - 3) // 2
+    part = p[:, 1 : 1 + k].astype(np.int32)
+    vals = _widen(p[:, 1 + k : 1 + 2 * k], dtype)
+    order = np.lexsort((part, -vals), axis=-1)
+    return Sampled(p[:, 0].astype(np.int64), np.take_along_axis(part, order, axis=-1),
+                   np.take_along_axis(vals, order, axis=-1), _widen(p[:, 1 + 2 * k], dtype),
+                   lse=p[:, 2 + 2 * k].view(np.float32))
 
 
 def float32(a: mx.array) -> np.ndarray:

@@ -40,9 +40,10 @@ def test_device_greedy_is_mlx_lm_rule_row_by_row(dtype):
         assert got.tolist() == want
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_device_topk_matches_numpy_and_ignores_the_batch(dtype):
-    logits = _rows(dtype, rows=6, vocab=1000, seed=3, ties=False)
+@pytest.mark.parametrize("vocab", [1000, 4096])  # one partition; two stages (vocab chunks)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_device_topk_matches_numpy_and_ignores_the_batch(dtype, vocab):
+    logits = _rows(dtype, rows=6, vocab=vocab, seed=3, ties=False)
     full = np.array(logits.astype(mx.float32))
     s = smp.to_host(smp.sample_on_device(logits, top_k=5))
     for i in range(full.shape[0]):
