@@ -116,7 +116,7 @@ class Engine:
     def vocab_pieces(self) -> list[str]:
         """Each token id decoded alone (cached): traces store it so readers need no tokenizer."""
         if self._vocab is None:
-            self._vocab = [self.target.decode([i]) for i in range(self.vocab)]
+            self._vocab = _decode_each(self.target, self.vocab)
         return self._vocab
 
     def settings(self) -> dict:
@@ -173,6 +173,23 @@ class Engine:
 
     def _wants(self, attr: str) -> bool:
         return any(getattr(ob, attr, False) for ob in self.observers)
+
+
+def _decode_each(loaded: LoadedModel, n: int) -> list[str]:
+    """Each token id decoded alone: the tokenizers backend in one batch call (0.11 vs 0.32 s
+    on a 152k vocabulary here), if it agrees with the wrapper's own decode on a spread of
+    ids and the last ones (special tokens); else id by id."""
+    hf = getattr(loaded.tokenizer, "_tokenizer", None)
+    backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)
+    if hasattr(backend, "decode_batch"):
+        try:
+            out = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        except Exception:  # noqa: BLE001 - any backend quirk: decode id by id
+            out = None
+        sample = set(range(0, n, max(1, n // 256))) | set(range(max(0, n - 64), n))
+        if out is not None and len(out) == n and all(out[i] == loaded.decode([i]) for i in sample):
+            return list(out)
+    return [loaded.decode([i]) for i in range(n)]
 
 
 def _load(path, info: dict | None, dtype, what: str) -> LoadedModel:

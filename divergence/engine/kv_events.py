@@ -6,27 +6,53 @@ so its traces hash K/V exactly as the engine's do.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
 from ..core.events import TARGET, KvWrite, StepPlan
 from ..core.hashing import hash_rows
-from .bits import raw_rows
+
+
+@dataclass
+class StepKv:
+    """A step's written K and V as the lazy uint views whose bytes get hashed, [layers * T,
+    row words]: built with the step's graph and evaluated with it, so reading them later
+    starts no new work (a new op would queue behind the next step, already in flight)."""
+
+    k: mx.array
+    v: mx.array
+    layers: int
+
+    @classmethod
+    def of(cls, k: mx.array, v: mx.array) -> "StepKv":
+        """k, v: [layers, T, kv_heads, head_dim] in slice order."""
+        return cls(_row_words(k), _row_words(v), k.shape[0])
+
+    def arrays(self) -> list[mx.array]:
+        return [self.k, self.v]
+
+    def hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads)."""
+        return tuple(hash_rows(np.array(a).view(np.uint8)).reshape(self.layers, -1) for a in (self.k, self.v))
+
+
+def _row_words(a: mx.array) -> mx.array:
+    width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
+    return a.reshape(a.shape[0] * a.shape[1], -1).view(width)
 
 
 def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
     """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads),
     for a whole step in one call; k, v: [layers, T, kv_heads, head_dim]."""
-    layers, rows = k.shape[0], k.shape[1]
-    kh = hash_rows(raw_rows(k.reshape(layers * rows, -1))).reshape(layers, rows)
-    vh = hash_rows(raw_rows(v.reshape(layers * rows, -1))).reshape(layers, rows)
-    return kh, vh
+    return StepKv.of(k, v).hashes()
 
 
-def kv_writes(plan: StepPlan, model: str, k: mx.array, v: mx.array) -> list[KvWrite]:
+def kv_writes(plan: StepPlan, model: str, k, v=None) -> list[KvWrite]:
     """The step's KV writes, one per (slice, layer), with per-position hashes of the
-    exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order."""
-    kh, vh = kv_hashes(k, v)
+    exact stored bytes; k, v: [layers, T, kv_heads, head_dim] in slice order (or k a StepKv)."""
+    kh, vh = (k if isinstance(k, StepKv) else StepKv.of(k, v)).hashes()
     out = []
     for s in plan.slices:
         r0, r1 = s.row_offset, s.row_offset + s.count

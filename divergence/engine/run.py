@@ -22,7 +22,7 @@ from ..core.names import CONCURRENT, SERIAL, WARM, WARMUP_PREFIX
 from ..core.request import Request
 from . import sampling as smp
 from .environment import environment
-from .kv_events import KvLog, kv_writes
+from .kv_events import KvLog, StepKv, kv_writes
 from .model_state import ModelState
 from .moe import routing_events
 from .results import RequestOutput, RunResult
@@ -38,8 +38,7 @@ class Launch:
     plan: StepPlan
     state: ModelState
     sample: smp.DeviceSample
-    k: mx.array | None
-    v: mx.array | None
+    kv: StepKv | None  # the K/V the step wrote, as hashed (when observers want KV hashes)
     routing: list | None  # MoE layers' router choices (moe.LayerRouting), when asked
     kernels: list[tuple[str, object]]  # (on_kernel | on_allreduce, event), emitted at collect
     t0: float
@@ -105,6 +104,7 @@ class Run:
         self.outputs: dict[str, RequestOutput] = {}
         self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
         self._done_at = 0.0  # when the last collected step's results arrived
+        self._side = None  # a second stream for host-side conversions (see _emit_step_writes)
         self._t0 = 0.0
 
     def _sequence(self, r: Request) -> Sequence:
@@ -322,10 +322,10 @@ class Run:
             if tp is not None:
                 tp.emit = tp_emit
         ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk)
-        kv = (out.k_written, out.v_written) if self.want_kv else (None, None)
+        kv = StepKv.of(out.k_written, out.v_written) if self.want_kv else None
         routing = [a for r in out.routing or () for a in r.arrays()]
-        mx.async_eval(*ds.arrays(), *[a for a in kv if a is not None], *routing, *state.cache.arrays())
-        return Launch(plan, state, ds, kv[0], kv[1], out.routing, kbuf, t0)
+        mx.async_eval(*ds.arrays(), *(kv.arrays() if kv else ()), *routing, *state.cache.arrays())
+        return Launch(plan, state, ds, kv, out.routing, kbuf, t0)
 
     def collect(self, launch: Launch, *, emit: bool = True) -> smp.Sampled:
         """Wait for a step's results; emits its kernel choices and KV writes (unless emit=False:
@@ -342,13 +342,19 @@ class Run:
         for method, ev in launch.kernels:
             self.e._emit(method, ev)
         if self.want_kv:
-            writes = kv_writes(launch.plan, launch.state.name, launch.k, launch.v)
+            writes = kv_writes(launch.plan, launch.state.name, launch.kv)
             for w in writes:
                 self.e._emit("on_kv_write", w)
             if launch.state.blocks.prefix_caching:
                 self.kv_log.record(writes)
         if launch.routing:
-            for r in routing_events(launch.plan, launch.state.name, launch.routing):
+            # routing_events converts on the device: on a side stream, so its ops need not wait
+            # behind the next step, already queued on the main one
+            if self._side is None:
+                self._side = mx.new_stream(mx.default_device())
+            with mx.stream(self._side):
+                events = routing_events(launch.plan, launch.state.name, launch.routing)
+            for r in events:
                 self.e._emit("on_routing", r)
 
     def close(self, launch: Launch) -> None:

@@ -86,3 +86,9 @@ def test_mlx_lm_prefill_layout(random_model, prompts):
         assert (first.phase, first.start, first.tokens) == ("decode", n - 1, (r.prompt_tokens[-1],))
         assert result.outputs[r.id].tokens == mlx_lm_tokens(loaded, r.prompt_tokens, 8)
     assert engine.settings()["prefill"] == "mlx-lm"
+
+
+def test_vocab_pieces_are_each_id_decoded_alone(target):
+    """The trace's vocabulary (batch-decoded for speed) is what decoding each id alone gives."""
+    engine = Engine(target)
+    assert engine.vocab_pieces() == [target.decode([i]) for i in range(engine.vocab)]
