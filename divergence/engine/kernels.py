@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import cpu_split
 from ..core.names import TP_SHARDING
 
 
@@ -44,6 +45,10 @@ class LinearOp:
         return hasattr(self.module, "scales")
 
     def native(self, x: mx.array) -> mx.array:
+        split = cpu_split.process_split()
+        if split is not None and (self.quantized or x.dtype == self.module.weight.dtype) and \
+                split.wants(x.size // x.shape[-1], self.n, self.k, x.dtype, self.quantized):
+            return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
         if self.tied_embedding:
             return self.module.as_linear(x)
         return self.module(x)

@@ -1,0 +1,137 @@
+"""A product split by output columns across CPU streams has the unsplit call's bits.
+
+The engine splits bf16 / fp16 / quantized products on the CPU (engine/cpu_split.py)
+because MLX runs those kernels on one thread. That is only allowed because every
+output element's sum is the same whatever N is; these tests check it on every kind
+of product the forward makes, then check a whole engine run with every product
+split still equals mlx-lm's own model bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from divergence.engine import cpu_split
+from divergence.engine.kernels import LinearOp
+
+pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the split runs on the CPU only")
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    a = np.array(a.astype(mx.float32))
+    return a.view(np.uint32)
+
+
+def _split(parts: int) -> cpu_split.ColumnSplit:
+    return cpu_split.ColumnSplit(parts, tuple(mx.new_stream(mx.cpu) for _ in range(parts - 1)),
+                                 frozenset({mx.bfloat16, mx.float16, mx.float32}))
+
+
+def _modules(dtype, n: int, k: int):
+    mx.random.seed(n + k)
+    plain = nn.Linear(k, n, bias=False)
+    biased = nn.Linear(k, n, bias=True)
+    table = nn.Embedding(n, k)
+    for m in (plain, biased, table):
+        m.set_dtype(dtype)
+    out = {"linear": (plain, False), "linear+bias": (biased, False), "tied head": (table, True)}
+    if dtype != mx.float32:
+        q = nn.Linear(k, n, bias=True)
+        q.set_dtype(dtype)
+        out["4-bit+bias"] = (nn.QuantizedLinear.from_linear(q, group_size=32, bits=4), False)
+        qt = nn.Embedding(n, k)
+        qt.set_dtype(dtype)
+        out["4-bit tied head"] = (nn.QuantizedEmbedding.from_embedding(qt, group_size=32, bits=4), True)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("m", [1, 3, 8, 37])
+def test_split_equals_unsplit_bitwise(dtype, m):
+    n, k = 1000, 256  # N not a multiple of the part alignment: uneven last part
+    x = mx.random.normal((m, k)).astype(dtype)
+    for name, (module, tied) in _modules(dtype, n, k).items():
+        whole = module.as_linear(x) if tied else module(x)
+        for parts in (2, 3):
+            got = cpu_split.linear(x, module, tied, _split(parts))
+            assert got.dtype == whole.dtype and got.shape == whole.shape, name
+            assert np.array_equal(_bits(got), _bits(whole)), (name, m, parts)
+
+
+def test_linear_op_takes_the_split(monkeypatch):
+    """LinearOp.native splits exactly the products the rule says (and fp32 under OpenBLAS not)."""
+    calls = []
+    real = cpu_split.linear
+    monkeypatch.setitem(cpu_split._state, "split", cpu_split.ColumnSplit(2, (mx.new_stream(mx.cpu),),
+                                                                          frozenset({mx.bfloat16})))
+    monkeypatch.setattr(cpu_split, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    big = nn.Linear(512, 1024, bias=False)
+    big.set_dtype(mx.bfloat16)
+    op = LinearOp.from_module("q_proj", big)
+    op.native(mx.ones((8, 512), mx.bfloat16))
+    assert calls == [(8, 512)]
+    op.native(mx.ones((1, 512), mx.bfloat16))  # 1 x 1024 x 512 = 2^19 multiply-adds
+    assert len(calls) == 2
+    small = nn.Linear(64, 64, bias=False)
+    small.set_dtype(mx.bfloat16)
+    LinearOp.from_module("q_proj", small).native(mx.ones((8, 64), mx.bfloat16))  # 2^15 multiply-adds
+    big32 = nn.Linear(512, 1024, bias=False)
+    LinearOp.from_module("q_proj", big32).native(mx.ones((8, 512)))
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("which", ["bf16", "4-bit"])
+def test_engine_with_every_product_split_equals_mlx_lm(monkeypatch, target, target_4bit, prompts, which):
+    """The whole forward with every product split (the threshold at 0): tokens and top-k
+    logits equal mlx-lm's model on its own KVCache (generate_step's calls), bit for bit."""
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+    from tests.engine.test_reference_logits import mlx_lm_logits
+
+    calls = []
+    real = cpu_split.linear
+    monkeypatch.setitem(cpu_split._state, "split", _split(3))
+    monkeypatch.setattr(cpu_split, "MIN_MACS", 0)
+    monkeypatch.setattr(cpu_split, "linear", lambda *a: calls.append(1) or real(*a))
+    loaded = target if which == "bf16" else target_4bit
+    eng = Engine(loaded, policy="native", stop_at_eos=False, top_k=8)
+    reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=10) for i, p in enumerate(prompts[:2])]
+    res = eng.run(reqs, "concurrent")
+    assert calls, "no product was split"
+    monkeypatch.setitem(cpu_split._state, "split", None)  # the reference runs unsplit
+    for r in reqs:
+        out = res.outputs[r.id]
+        ref = mlx_lm_logits(loaded.model, list(r.prompt_tokens), 10, split_last=True)
+        assert out.tokens == [int(np.argmax(x)) for x in ref], r.id
+        for i, (ids, vals) in enumerate(zip(out.topk_ids, out.topk_logits)):
+            vals = np.asarray(vals, np.float32)
+            assert np.array_equal(ref[i][np.asarray(ids)].view(np.uint32), vals.view(np.uint32)), (r.id, i)
+
+
+_REFERENCE_BLAS = """
+import mlx.core as mx, mlx.nn as nn, numpy as np
+from divergence.engine import cpu_split
+s = cpu_split.process_split()
+assert s is not None and mx.float32 in s.dtypes, s
+for m in (1, 5, 16):
+    lin = nn.Linear(384, 1000, bias=True)
+    x = mx.random.normal((m, 384))
+    a, b = np.array(lin(x)), np.array(cpu_split.linear(x, lin, False, s))
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), m
+print("ok")
+"""
+
+
+def test_reference_blas_fp32_is_split_and_bitwise():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one usable core: the split is off")
+    env = dict(os.environ, DIVERGENCE_BLAS="reference")
+    env.pop(cpu_split.ENV, None)
+    out = subprocess.run([sys.executable, "-c", _REFERENCE_BLAS], env=env, capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
