@@ -26,7 +26,8 @@ def run_per_seq(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array
 
 
 def run_batched(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
-    """B sequences: q [B, heads, Q, hd] over padded k, v [B, kv_heads, L, hd], bool mask [B, 1, Q, L].
+    """B sequences: q [B, heads, Q, hd] over padded k, v [B, kv_heads, L, hd], bool mask [B, 1, Q, L]
+    (None: nothing to mask).
     (Looked up per call, like kernels.run_native: tests swap in other backends' behaviour.)"""
     return sdpa(q, k, v, scale=scale, mask=mask)
 

@@ -56,7 +56,11 @@ class BatchedAttention:
     queries: int  # Q: rows per slice, padded to the longest
     length: int  # L: the longest KV length
     tables: mx.array  # [B, nb] block ids (short rows padded with a valid block)
-    mask: mx.array  # bool [B, 1, Q, L]: causal within each slice, nothing past its length
+    # bool [B, 1, Q, L]: causal within each slice, nothing past its length. None when it
+    # masks nothing (one query row each, every KV length equal: how batches of equal
+    # prompts decode): an unmasked call, as BatchGenerator makes without left padding;
+    # on MLX CUDA only an unmasked decode SDPA gets the fused vector kernel.
+    mask: mx.array | None
     q_index: mx.array | None  # [B * Q] step rows to gather; None when the rows are [row0, row0 + B) (Q = 1)
     row0: int
     out_index: mx.array | None  # [rows] real rows of the [B * Q] output; None when no slice is padded
@@ -163,7 +167,7 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int) 
     contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
     ragged = len(out_rows) != B * Q
     return BatchedAttention(
-        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=mx.array(mask),
+        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=None if mask.all() else mx.array(mask),
         q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
         out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
     )

@@ -77,10 +77,11 @@ def _bits(a):
 DECODES = [(DECODE, 4, 1), (DECODE, 40, 1), (DECODE, 17, 1), (DECODE, 0, 1), (DECODE, 63, 1)]
 VERIFIES = [(VERIFY, 9, 4), (VERIFY, 30, 4), (VERIFY, 2, 3), (DECODE, 50, 1)]
 MIXED = [(DECODE, 21, 1), (PREFILL, 0, 12), (VERIFY, 33, 4), (PREFILL, 16, 9), (DECODE, 5, 1)]
+EQUAL = [(DECODE, 37, 1)] * 4  # equal prompts decoding together: the mask masks nothing
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("spec", [DECODES, VERIFIES, MIXED], ids=["decode", "verify", "mixed"])
+@pytest.mark.parametrize("spec", [DECODES, VERIFIES, MIXED, EQUAL], ids=["decode", "verify", "mixed", "equal"])
 def test_both_kernels_match_a_float64_reference(dtype, spec):
     plan, blocks, cache, q = _step(spec, dtype)
     ref = _reference(plan, blocks, cache, q)
@@ -98,11 +99,18 @@ def test_both_kernels_match_a_float64_reference(dtype, spec):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_batched_decode_equals_per_seq_bitwise_on_cpu(dtype):
     # one-row queries: a left- or right-padded masked SDPA gives the per-sequence bits (fp32 and bf16)
-    for spec in (DECODES, MIXED if dtype == mx.bfloat16 else [s for s in MIXED if s[0] != VERIFY]):
+    for spec in (DECODES, EQUAL, MIXED if dtype == mx.bfloat16 else [s for s in MIXED if s[0] != VERIFY]):
         plan, blocks, cache, q = _step(spec, dtype, seed=3)
         _, a = _run("per-seq", plan, blocks, cache, q)
         _, b = _run("batched", plan, blocks, cache, q)
         assert np.array_equal(_bits(a), _bits(b))
+
+
+def test_batched_call_is_unmasked_only_when_the_mask_masks_nothing():
+    for spec, masked in ((EQUAL, False), (DECODES, True), (VERIFIES, True)):
+        plan, blocks, _, _ = _step(spec, mx.float32)
+        g = prepare_step(plan, blocks, "batched").groups[0]
+        assert (g.mask is not None) == masked, spec
 
 
 def test_batched_groups_every_decode_slice_in_one_call():
