@@ -113,7 +113,8 @@ ATTENTION_MAX_BATCH = 64
 def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype, batches: list[int], queries: int,
                     layout: str) -> list[int]:
     """Class per batch size B of a masked batched SDPA over B sequences padded on `layout`'s
-    side (right: the engine's `batched`; left: mlx-lm BatchGenerator's): 0 = every probe
+    side (right: the engine's `batched`; left: mlx-lm BatchGenerator's; equal: B sequences of
+    one length, unmasked, as both call it when nothing needs masking): 0 = every probe
     sequence's output has the bits of that sequence alone (`per-seq`)."""
     from .engine.native_classes import AttentionClassProbe
 
@@ -176,7 +177,10 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
     attn = []
     for q in ATTENTION_QUERIES:
         for layout in LAYOUTS:
-            shape = f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}, q{q}, {layout}-padded"
+            if layout == "equal" and q > 1:
+                continue  # several query rows are always masked (causal)
+            how = "equal lengths, unmasked" if layout == "equal" else f"{layout}-padded"
+            shape = f"{fwd.n_heads}h/{fwd.n_kv_heads}kv x {fwd.head_dim}, q{q}, {how}"
             ck = cache_key(f"attention:{shape}", dname, quant, batches)
             classes = cache.get(ck) or probe_attention(fwd.n_heads, fwd.n_kv_heads, fwd.head_dim, dtype, batches,
                                                        q, layout)

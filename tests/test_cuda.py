@@ -90,7 +90,9 @@ def test_probe_maps_the_backend(tmp_path):
     ops = {(o["op"], o["shape"]): o for o in report["ops"]}
     assert {"q_proj", "lm_head", "sdpa"} <= {op for op, _ in ops}
     for o in ops.values():
-        assert len(o["classes"]) == len(o["rows"]) and o["classes"][0] == 0
+        assert len(o["classes"]) == len(o["rows"])
+        if o["op"] != "attention":  # attention's base is per-seq: a masked batch of 1 may differ from it here
+            assert o["classes"][0] == 0, o
     recorded = json.loads((RESULTS / "probe_fixture.json").read_text())
     same_device = (recorded["environment"].get("device_name") == report["environment"]["device_name"]
                    and recorded["environment"]["mlx"] == report["environment"]["mlx"])

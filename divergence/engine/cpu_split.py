@@ -78,6 +78,7 @@ def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -
 
 
 _state: dict = {}
+_decisions: dict = {}  # (m, n, k, dtype, quantized) -> the split or None: asked for every op of every step
 
 
 def process_split() -> ColumnSplit | None:
@@ -85,6 +86,28 @@ def process_split() -> ColumnSplit | None:
     if "split" not in _state:
         _state["split"] = _decide()
     return _state["split"]
+
+
+def split_for(m: int, n: int, k: int, dtype, same_dtype: bool, quantized: bool) -> ColumnSplit | None:
+    """The split an (m, n, k) product of `dtype` takes, or None. same_dtype: the input has
+    the weight's dtype (else MLX promotes and the product is another kernel's)."""
+    key = (m, n, k, dtype, same_dtype, quantized)
+    got = _decisions.get(key, False)
+    if got is False:
+        split = process_split()
+        got = _decisions[key] = split if split is not None and same_dtype and \
+            split.wants(m, n, k, dtype, quantized) else None
+    return got
+
+
+def configure(split: ColumnSplit | None = None, *, min_macs: int | None = None) -> None:
+    """Set this process's split (and threshold) by hand: tests and benchmarks. Forgets
+    every earlier decision."""
+    global MIN_MACS
+    _state["split"] = split
+    if min_macs is not None:
+        MIN_MACS = min_macs
+    _decisions.clear()
 
 
 def _decide() -> ColumnSplit | None:

@@ -102,7 +102,9 @@ class KernelDispatcher:
         if not queries:
             return 0
         _, heads, _, head_dim = q.shape
-        return self.attention_classes.signature(prep.kernel, prep.batch, heads, kv_heads, head_dim, queries, q.dtype)
+        unmasked = any(getattr(g, "mask", True) is None for g in prep.groups)
+        return self.attention_classes.signature(prep.kernel, prep.batch, heads, kv_heads, head_dim, queries, q.dtype,
+                                                layout="equal" if unmasked else "right")
 
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         if op.name in self._unsharded and op.shard is not None and self.unsharded is not None:

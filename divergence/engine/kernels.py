@@ -11,7 +11,7 @@ how many other rows share the step, whatever the backend does per shape.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,15 +39,17 @@ class LinearOp:
     # projections split their outputs (all-to-sharded), o_proj / down_proj split their
     # inputs and need an all-reduce after (sharded-to-all); None = replicated (lm_head).
     shard: str | None = None
+    # Asked for every op of every step: looked up once (a module attribute probe goes
+    # through mlx.nn.Module.__getattr__, ~1 us each, dozens per step).
+    quantized: bool = field(init=False)
 
-    @property
-    def quantized(self) -> bool:
-        return hasattr(self.module, "scales")
+    def __post_init__(self):
+        self.quantized = "scales" in self.module
 
     def native(self, x: mx.array) -> mx.array:
-        split = cpu_split.process_split()
-        if split is not None and (self.quantized or x.dtype == self.module.weight.dtype) and \
-                split.wants(x.size // x.shape[-1], self.n, self.k, x.dtype, self.quantized):
+        split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
+                                    self.quantized or x.dtype == self.module.weight.dtype, self.quantized)
+        if split is not None:
             return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
         if self.tied_embedding:
             return self.module.as_linear(x)

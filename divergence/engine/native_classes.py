@@ -77,13 +77,16 @@ class NativeClassProbe:
 
 # Attention: probe sequences of these KV lengths (one shared K/V pool), each with Q query rows.
 ATTN_PROBE_LENS = (5, 17, 33, 64, 9, 48, 2, 27)
-LAYOUTS = ("right", "left")  # padding side of a batched call: the engine's, mlx-lm BatchGenerator's
+# how a batched call lays out its sequences: padded on the right (the engine's), on the left
+# (mlx-lm BatchGenerator's), or all of one length and unmasked (both, when nothing needs masking)
+LAYOUTS = ("right", "left", "equal")
 
 
 class AttentionClassProbe:
     """Class signatures of the attention kernels, like NativeClassProbe's for linear ops:
     the bits of every probe sequence's output, computed alone (`per-seq`) or in masked
-    calls of B sequences each (`batched`). A batched signature equal to the per-seq one
+    calls of B sequences each (`batched`; unmasked when they are all of one length).
+    A batched signature equal to the per-seq one
     means that batch computes every probe row as the sequences alone do."""
 
     def __init__(self):
@@ -113,6 +116,13 @@ class AttentionClassProbe:
                 outs.append(raw_bits(o))
             return np.concatenate(outs)
         assert kernel == BATCHED and layout in LAYOUTS
+        if layout == "equal":
+            # sequence i in a batch of `batch` sequences cut to its length: no mask
+            for i, n in enumerate(lens):
+                idx = mx.array(np.asarray([(i + j) % P for j in range(batch)], dtype=np.int32))
+                o = attention.run_batched(q[idx], k[idx, :, :n], v[idx, :, :n], None, scale)
+                outs.append(raw_bits(o[:1]))
+            return np.concatenate(outs)
         done = 0
         while done < P:
             idx = [(done + j) % P for j in range(batch)]

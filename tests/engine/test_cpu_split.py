@@ -33,6 +33,18 @@ def _split(parts: int) -> cpu_split.ColumnSplit:
                                  frozenset({mx.bfloat16, mx.float16, mx.float32}))
 
 
+@pytest.fixture
+def configure():
+    """cpu_split.configure for one test; the process's own split and threshold back after."""
+    saved, threshold = cpu_split._state.get("split", "unset"), cpu_split.MIN_MACS
+    yield cpu_split.configure
+    cpu_split.configure(None, min_macs=threshold)
+    if saved == "unset":
+        cpu_split._state.pop("split")
+    else:
+        cpu_split._state["split"] = saved
+
+
 def _modules(dtype, n: int, k: int):
     mx.random.seed(n + k)
     plain = nn.Linear(k, n, bias=False)
@@ -64,12 +76,11 @@ def test_split_equals_unsplit_bitwise(dtype, m):
             assert np.array_equal(_bits(got), _bits(whole)), (name, m, parts)
 
 
-def test_linear_op_takes_the_split(monkeypatch):
+def test_linear_op_takes_the_split(monkeypatch, configure):
     """LinearOp.native splits exactly the products the rule says (and fp32 under OpenBLAS not)."""
     calls = []
     real = cpu_split.linear
-    monkeypatch.setitem(cpu_split._state, "split", cpu_split.ColumnSplit(2, (mx.new_stream(mx.cpu),),
-                                                                          frozenset({mx.bfloat16})))
+    configure(cpu_split.ColumnSplit(2, (mx.new_stream(mx.cpu),), frozenset({mx.bfloat16})))
     monkeypatch.setattr(cpu_split, "linear", lambda *a: calls.append(a[0].shape) or real(*a))
     big = nn.Linear(512, 1024, bias=False)
     big.set_dtype(mx.bfloat16)
@@ -87,7 +98,7 @@ def test_linear_op_takes_the_split(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["bf16", "4-bit"])
-def test_engine_with_every_product_split_equals_mlx_lm(monkeypatch, target, target_4bit, prompts, which):
+def test_engine_with_every_product_split_equals_mlx_lm(monkeypatch, configure, target, target_4bit, prompts, which):
     """The whole forward with every product split (the threshold at 0): tokens and top-k
     logits equal mlx-lm's model on its own KVCache (generate_step's calls), bit for bit."""
     from divergence.core.request import Request
@@ -96,15 +107,14 @@ def test_engine_with_every_product_split_equals_mlx_lm(monkeypatch, target, targ
 
     calls = []
     real = cpu_split.linear
-    monkeypatch.setitem(cpu_split._state, "split", _split(3))
-    monkeypatch.setattr(cpu_split, "MIN_MACS", 0)
+    configure(_split(3), min_macs=0)
     monkeypatch.setattr(cpu_split, "linear", lambda *a: calls.append(1) or real(*a))
     loaded = target if which == "bf16" else target_4bit
     eng = Engine(loaded, policy="native", stop_at_eos=False, top_k=8)
     reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=10) for i, p in enumerate(prompts[:2])]
     res = eng.run(reqs, "concurrent")
     assert calls, "no product was split"
-    monkeypatch.setitem(cpu_split._state, "split", None)  # the reference runs unsplit
+    configure(None)  # the reference runs unsplit (mlx-lm's modules do not split anyway)
     for r in reqs:
         out = res.outputs[r.id]
         ref = mlx_lm_logits(loaded.model, list(r.prompt_tokens), 10, split_last=True)
