@@ -29,6 +29,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from .core.events import DECODE, PREFILL, TARGET, SeqSlice, StepPlan
 from .core.names import BASE_SCHEDULES as SCHEDULES  # BatchGenerator has no warm schedule
+from .core.names import BATCH_GENERATOR, LOGPROBS
 from .core.request import Request
 from .engine import sampling as smp
 from .engine.environment import environment
@@ -36,7 +37,7 @@ from .engine.model import LoadedModel
 from .engine.kv_events import kv_writes
 from .record import Recorder
 
-ENGINE_NAME = "mlx-lm BatchGenerator"
+ENGINE_NAME = BATCH_GENERATOR
 
 
 class _Tap:
@@ -131,7 +132,7 @@ def run_batch_generator(loaded: LoadedModel, requests: list[Request], schedule: 
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r} (expected {', '.join(SCHEDULES)})")
     settings = {"token_budget": prefill_step_size, "spec_k": 0, "block_size": 0, "prefix_caching": False,
-                "stop_at_eos": False, "dtype": loaded.dtype, "topk_values": "logprobs"}
+                "stop_at_eos": False, "dtype": loaded.dtype, "topk_values": LOGPROBS}
     vocab = [loaded.decode([i]) for i in range(_vocab_size(loaded))]
     rec = Recorder(engine=ENGINE_NAME, schedule=schedule, requests=requests, top_k=top_k, policy="native",
                    model=loaded.describe(), settings=settings, environment=environment(), vocab=vocab,

@@ -15,6 +15,7 @@ import numpy as np
 
 # the confirmation logic lives in analysis.confirm (engine-free); its names stay importable here
 from .confirm import _owner, force_like_a, make_confirmer, make_replay_bisector  # noqa: F401
+from ..core.names import BATCH_GENERATOR, LOGPROBS, REPLAYABLE_ENGINES
 from ..errors import PolicyError, ReplayError
 from .diff import DiffReport, diff_traces
 
@@ -121,14 +122,30 @@ def describe_forced(forced: dict) -> dict[int, str]:
 
 
 def check_replayable(trace) -> None:
-    """Replay re-executes divergence's own engine: traces another engine recorded (e.g.
-    mlx-lm's BatchGenerator through divergence.mlxlm_batch) cannot be replayed."""
+    """Replay re-executes divergence's own engine: it takes traces of that engine, and of
+    the engines it can stand in for (core.names.REPLAYABLE_ENGINES: mlx-lm's BatchGenerator,
+    whose step plans it runs with BatchGenerator's prefill layout); others are refused."""
     engine = trace.meta.get("settings", {}).get("engine")
-    if engine:
+    if engine and engine not in REPLAYABLE_ENGINES:
         raise ReplayError(f"{trace.path} was recorded by {engine}; replay (and bisect --confirm) re-runs "
                           f"divergence's own engine, so it cannot re-execute this trace (bisect without "
                           f"--confirm still finds the root cause; bisect --confirm-cmd CMD confirms it "
                           f"through that engine)")
+
+
+def engine_settings(trace) -> dict:
+    """The engine settings a replay of this trace runs under. A BatchGenerator trace: native
+    kernels (mlx-lm picks none), its prefill layout (all but the last prompt token, that one
+    with the first decode step: the recorded plans already say so), its log-prob top-k
+    values, and room for its largest step."""
+    s = dict(trace.meta["settings"])
+    if s.get("engine") != BATCH_GENERATOR:
+        return s
+    rows = max((p.rows for p in trace.iter_plans()), default=1)
+    return {"policy": "native", "token_budget": max(rows, s.get("token_budget") or 1), "spec_k": 0,
+            "top_k": s.get("top_k") or trace.meta.get("top_k") or 8, "block_size": 16, "prefix_caching": False,
+            "stop_at_eos": False, "prefill": "mlx-lm", "dtype": s.get("dtype"),
+            "topk_values": s.get("topk_values", LOGPROBS)}
 
 
 class Replayer:
@@ -145,7 +162,7 @@ class Replayer:
         meta = trace.meta
         from ..engine.tp import group_for
 
-        return Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
+        return Engine.from_settings(engine_settings(trace), model=meta["model"], draft=meta.get("draft"),
                                     model_dir=self.model_dir, draft_dir=self.draft_dir, observers=observers,
                                     tp=group_for(trace))
 
@@ -189,7 +206,8 @@ def with_recorded_attention(trace, plans, forced: dict) -> dict:
     for step, op, kernel in zip(ks["step"], ks["op"], ks["kernel"]):
         if str(op) == ATTENTION:
             recorded.setdefault(int(step), str(kernel))
-    default = None if recorded else PER_SEQ
+    # (another engine's trace records no attention kernels: the native rule batches decodes as it did)
+    default = None if recorded or trace.meta.get("settings", {}).get("engine") else PER_SEQ
     out = dict(forced)
     for p in plans:
         kernel = recorded.get(p.index, default)

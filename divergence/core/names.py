@@ -83,3 +83,14 @@ TP_BACKENDS = ("ring", "mpi", "nccl", "jaccl", "single")
 
 # What a sampler's uniform draw was for (index = the engine's purpose number).
 DRAW_PURPOSES = ("sample", "accept", "residual", "draft")
+
+# What a trace's top-k values are (settings.topk_values): raw logits (divergence's engine)
+# or log-probs, logits - logsumexp (mlx-lm's BatchGenerator; a replay of its traces too).
+LOGITS = "logits"
+LOGPROBS = "logprobs"
+TOPK_VALUES = (LOGITS, LOGPROBS)
+
+# Other engines whose traces the engine can re-execute: mlx-lm's BatchGenerator, traced
+# through divergence.mlxlm_batch (replay runs its step plans with its prefill layout).
+BATCH_GENERATOR = "mlx-lm BatchGenerator"
+REPLAYABLE_ENGINES = (BATCH_GENERATOR,)

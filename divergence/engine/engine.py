@@ -10,7 +10,7 @@ rebuilds the engine a trace was recorded with (what replay and the runner use).
 from __future__ import annotations
 
 from ..core.events import Observer
-from ..core.names import SCHEDULES
+from ..core.names import LOGITS, SCHEDULES, TOPK_VALUES
 from ..core.request import Request
 from ..errors import PromptError, ReplayError
 from .dispatch import KernelPolicy
@@ -24,7 +24,8 @@ from .scheduler import PREFILL_LAYOUTS, WHOLE
 __all__ = ["Engine", "RequestOutput", "RunResult", "Run", "environment"]
 
 # The settings a trace records (Engine.settings) and from_settings reads back.
-SETTINGS = ("policy", "token_budget", "spec_k", "top_k", "block_size", "prefix_caching", "stop_at_eos", "prefill")
+SETTINGS = ("policy", "token_budget", "spec_k", "top_k", "block_size", "prefix_caching", "stop_at_eos", "prefill",
+            "topk_values")
 
 
 class Engine:
@@ -45,13 +46,16 @@ class Engine:
         tp=None,
         prefill: str = WHOLE,
         overlap: bool = True,
+        topk_values: str = LOGITS,
     ):
         """tp: engine.tp.TensorParallel of this process's group (None: one device).
         prefill: where the prompt's last token is computed, "whole" (in the prefill) or
         "mlx-lm" (in the first decode step, as mlx-lm does: at one request the engine's
         numbers are then mlx-lm's on any backend; see scheduler.PREFILL_LAYOUTS).
         overlap: queue the next step while one computes (results are bitwise the same;
-        off only to measure what it buys)."""
+        off only to measure what it buys).
+        topk_values: what the top-k records hold, "logits" or mlx-lm's "logprobs" (a replay of
+        a BatchGenerator trace compares with its log-probs)."""
         self.target = target
         self.draft = draft if spec_k > 0 else None
         if spec_k > 0 and draft is None:
@@ -66,6 +70,9 @@ class Engine:
             raise PromptError(f"top_k must be >= 1, got {top_k}")
         if prefill not in PREFILL_LAYOUTS:
             raise PromptError(f"unknown prefill layout {prefill!r} (expected {' or '.join(PREFILL_LAYOUTS)})")
+        if topk_values not in TOPK_VALUES:
+            raise PromptError(f"unknown topk_values {topk_values!r} (expected {' or '.join(TOPK_VALUES)})")
+        self.topk_values = topk_values
         self.prefill = prefill
         self.token_budget = token_budget
         self.top_k = top_k
@@ -130,6 +137,7 @@ class Engine:
             "stop_at_eos": self.stop_at_eos,
             "prefill": self.prefill,
             "dtype": self.target.dtype,
+            **({"topk_values": self.topk_values} if self.topk_values != LOGITS else {}),
             **({"tp": self.tp.describe()} if self.tp is not None else {}),
         }
 

@@ -321,7 +321,8 @@ class Run:
             self._kbuf = None
             if tp is not None:
                 tp.emit = tp_emit
-        ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk)
+        ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk,
+                                   values=self.e.topk_values)
         kv = StepKv.of(out.k_written, out.v_written) if self.want_kv else None
         routing = [a for r in out.routing or () for a in r.arrays()]
         mx.async_eval(*ds.arrays(), *(kv.arrays() if kv else ()), *routing, *state.cache.arrays())

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.events import TokenEvent
+from ..core.names import LOGITS, LOGPROBS
 from ..core.request import Sampling
 
 PURPOSE_SAMPLE = 0  # the token of a position (plain sampling, or the bonus token after k accepts)
@@ -63,23 +64,32 @@ def _widen(bits: np.ndarray, dtype) -> np.ndarray:
     return bits.view(np.float32)
 
 
-def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: bool = True) -> DeviceSample:
+def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: bool = True,
+                     values: str = LOGITS) -> DeviceSample:
     """One graph for every logit row: greedy ids, top-k and the chosen logit; full fp32
-    logits only for `full_rows` (rows whose request samples with temperature)."""
+    logits only for `full_rows` (rows whose request samples with temperature).
+    values=LOGPROBS: top-k and chosen values are mlx-lm's log-probs (logits - logsumexp, in
+    the model dtype), what traces of its BatchGenerator hold, so a replay compares bit for bit."""
     rows = logits.shape[0]
     if rows == 0:
         z = mx.zeros((0,), dtype=mx.uint32)
         return DeviceSample(z, None, None, None, None, ())
     # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
     lse_model = mx.logsumexp(logits, axis=-1, keepdims=True)
-    ids = mx.argmax(logits - lse_model, axis=-1)
+    logprobs = logits - lse_model
+    ids = mx.argmax(logprobs, axis=-1)
     top_ids = top_vals = chosen = lse = None
     if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
-        top_ids = topk_ids(logits, min(top_k, logits.shape[-1]))
-        top_vals = mx.take_along_axis(logits, top_ids, axis=-1)
-        chosen = mx.take_along_axis(logits, ids[:, None], axis=-1)
-        # float32 logsumexp for the chosen token's probability (the greedy one is it in fp32)
-        lse = lse_model[:, 0] if logits.dtype == mx.float32 else mx.logsumexp(logits.astype(mx.float32), axis=-1)
+        src = logprobs if values == LOGPROBS else logits
+        top_ids = topk_ids(src, min(top_k, logits.shape[-1]))
+        top_vals = mx.take_along_axis(src, top_ids, axis=-1)
+        chosen = mx.take_along_axis(src, ids[:, None], axis=-1)
+        # float32 logsumexp of the values, for the chosen token's probability (for fp32 logits
+        # it is the one the greedy pick used)
+        if src.dtype == mx.float32 and values != LOGPROBS:
+            lse = lse_model[:, 0]
+        else:
+            lse = mx.logsumexp(src.astype(mx.float32), axis=-1)
     full = None
     full_rows = tuple(full_rows)
     if full_rows:

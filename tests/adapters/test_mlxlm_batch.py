@@ -72,7 +72,12 @@ def test_kv_hashes_match_the_engines_serial_trace(target, fixture_traces, tmp_pa
                 assert np.array_equal(np.asarray(la[col])[ia], np.asarray(le[col])[ie]), (r.id, col)
 
 
-def test_traces_diff_and_refuse_replay(fixture_traces, capsys):
+def test_traces_diff_and_replay_bit_for_bit(fixture_traces, capsys):
+    """The engine stands in for BatchGenerator: replaying its traces (its step plans, its
+    prefill layout, its log-prob top-k) gives its tokens, top-k and K/V bit for bit
+    (fixture bf16, prompts of different lengths: its right-padded prefill included)."""
+    from divergence.analysis.replay import replay
+
     out, reqs, toks = fixture_traces
     assert main(["diff", str(out / "serial.h5"), str(out / "concurrent.h5"), "--json"]) in (0, 1)
     report = json.loads(capsys.readouterr().out)
@@ -81,8 +86,39 @@ def test_traces_diff_and_refuse_replay(fixture_traces, capsys):
         assert b.meta["settings"]["engine"] == "mlx-lm BatchGenerator"
         # all five prompts were prefilled in one batched step
         assert max(len(p.slices) for p in b.iter_plans()) == len(reqs)
-    assert main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5"), "--confirm"]) == 2
-    assert "recorded by mlx-lm BatchGenerator" in capsys.readouterr().err
+    for s in ("serial", "concurrent"):
+        rep = replay(out / f"{s}.h5", out=out / f"{s}.replay.h5")
+        assert rep.faithful and rep.tokens_equal and rep.logits_equal and rep.kv_equal, (s, rep.first_difference)
+        with Trace.open(out / f"{s}.replay.h5") as r:
+            assert r.meta["settings"]["topk_values"] == "logprobs" and r.meta["settings"]["prefill"] == "mlx-lm"
+
+
+def test_a_batch_generator_divergence_is_confirmed_through_replay(random_model, tmp_path, capsys):
+    """fp32 on OpenBLAS, prompts of one length (no padding): BatchGenerator's serial and
+    concurrent traces differ in their logits; both replay bit for bit in the engine, so
+    bisect --confirm re-executes the concurrent trace with the cause step request by request
+    and confirms every request's root cause."""
+    from divergence.analysis.replay import replay
+    from divergence.blas import blas_in_use
+
+    if not blas_in_use().startswith("OpenBLAS"):
+        pytest.skip("needs OpenBLAS: MLX's reference BLAS is row-invariant, nothing diverges (.ci/run installs it)")
+    loaded = random_model("qwen3", hidden_size=256, num_layers=3, heads=4, kv_heads=2, intermediate_size=512,
+                          dtype="float32")
+    rng = np.random.default_rng(5)
+    reqs = [Request(f"p{i}", tuple(int(t) for t in rng.integers(3, 1000, 16)), max_tokens=10) for i in range(6)]
+    for s in ("serial", "concurrent"):
+        _trace(loaded, reqs, s, tmp_path / f"{s}.h5")
+        rep = replay(tmp_path / f"{s}.h5", out=tmp_path / f"{s}.replay.h5")
+        assert rep.faithful, (s, rep.first_difference, rep.kv_first_difference)
+    assert main(["bisect", str(tmp_path / "serial.h5"), str(tmp_path / "concurrent.h5"), "--confirm",
+                 "--bitwise", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    diverged = [r for r in report["requests"] if r.get("root_cause")]
+    assert diverged and len(diverged) == len(report["requests"])
+    unconfirmed = {r["id"]: r["root_cause"]["confirm_detail"] for r in diverged if r["confirmed"] is not True}
+    assert not unconfirmed
+    assert all("request by request" in r["root_cause"]["confirm_detail"] for r in diverged)
 
 
 def test_numeric_divergence_gets_a_root_cause_step(random_model, tmp_path):
