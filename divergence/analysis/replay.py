@@ -198,7 +198,7 @@ def with_recorded_attention(trace, plans, forced: dict) -> dict:
     """Every step not forced otherwise runs the attention kernel it recorded, so a replay
     stays bit for bit the recording when the rule that picks attention kernels changes;
     traces recorded before attention was a recorded op ran it per sequence."""
-    from ..core.names import ATTENTION, PER_SEQ
+    from ..core.names import ATTENTION, PADDED, PER_SEQ
     from ..core.policy import KernelPolicy
 
     ks = trace.kernels()
@@ -206,8 +206,10 @@ def with_recorded_attention(trace, plans, forced: dict) -> dict:
     for step, op, kernel in zip(ks["step"], ks["op"], ks["kernel"]):
         if str(op) == ATTENTION:
             recorded.setdefault(int(step), str(kernel))
-    # (another engine's trace records no attention kernels: the native rule batches decodes as it did)
-    default = None if recorded or trace.meta.get("settings", {}).get("engine") else PER_SEQ
+    # another engine's trace records no attention kernels: a BatchGenerator trace gets its
+    # calls (every slice of a step in one masked call), others the native rule
+    engine = trace.meta.get("settings", {}).get("engine")
+    default = PADDED if engine == BATCH_GENERATOR else None if recorded or engine else PER_SEQ
     out = dict(forced)
     for p in plans:
         kernel = recorded.get(p.index, default)

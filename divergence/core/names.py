@@ -37,10 +37,13 @@ GEMV = "gemv"
 GEMM = "gemm"
 BATCH_INVARIANT = "batch-invariant"
 # Kernels of attention: each sequence its own SDPA call, or every decode / verify slice
-# of a step in one masked SDPA call over padded K/V (as batched engines do).
+# of a step in one masked SDPA call over padded K/V (as batched engines do), or every
+# slice of the step, prefill included, in one call right-padded to the longest and always
+# masked (mlx-lm BatchGenerator's calls: a replay of its traces makes them).
 PER_SEQ = "per-seq"
 BATCHED = "batched"
-ATTENTION_KERNELS = (PER_SEQ, BATCHED)
+PADDED = "padded"
+ATTENTION_KERNELS = (PER_SEQ, BATCHED, PADDED)
 KERNELS = (NATIVE, GEMV, GEMM, BATCH_INVARIANT) + ATTENTION_KERNELS  # append only, as OPS
 
 # How tensor parallelism would shard a linear op (mlx-lm's shard_linear modes); None = replicated.

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..errors import PolicyError
 from .names import (  # noqa: F401  (re-exported)
-    ATTENTION_KERNELS, BATCH_INVARIANT, BATCHED, GEMM, GEMV, KERNELS, NATIVE, PER_SEQ,
+    ATTENTION_KERNELS, BATCH_INVARIANT, BATCHED, GEMM, GEMV, KERNELS, NATIVE, PADDED, PER_SEQ,
 )
 
 POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS (attention: per-seq | batched)"
@@ -60,6 +60,8 @@ class KernelPolicy:
         serial shape) keep each sequence alone. Forced `batched` batches even one slice
         (the masked call at B=1), so replay can ask whether the mask alone changes bits.
         """
+        if self.name == PADDED:  # prefill included: BatchGenerator's calls
+            return PADDED
         if self.name in (BATCH_INVARIANT, GEMV, PER_SEQ) or decode_slices < 1:
             return PER_SEQ
         if self.name == BATCHED:

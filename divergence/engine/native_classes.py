@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from ..core.names import BATCHED, PER_SEQ
+from ..core.names import BATCHED, PADDED, PER_SEQ
 from . import attention, kernels
 from .bits import raw_bits
 from .kernels import LinearOp
@@ -148,6 +148,8 @@ class AttentionClassProbe:
 
     def signature(self, kernel: str, batch: int, heads: int, kv_heads: int, head_dim: int, queries: int,
                   dtype, *, layout: str = "right") -> int:
+        if kernel == PADDED:  # a masked right-padded call, as `batched` makes with a mask
+            kernel, layout = BATCHED, "right"
         key = (kernel, batch if kernel == BATCHED else 0, heads, kv_heads, head_dim, queries, str(dtype), layout)
         sig = self._sig.get(key)
         if sig is None:

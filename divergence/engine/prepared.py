@@ -12,7 +12,8 @@ Attention groups: under the `batched` kernel every decode / verify / draft slice
 up to BATCH_MAX_QUERY rows goes into one masked SDPA call over block-gathered K/V,
 right-padded to the longest; prefill slices (and everything under `per-seq`) get
 one SDPA call each, exactly as a single-sequence engine (mlx-lm's generate_step)
-makes it.
+makes it. Under `padded` every slice, prefill included, joins one call that always
+carries its mask: mlx-lm BatchGenerator's calls, which a replay of its traces makes.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.events import PREFILL, StepPlan
-from ..core.names import BATCHED, PER_SEQ
+from ..core.names import BATCHED, PADDED, PER_SEQ
 from .kv_cache import BlockManager
 
 BATCH_MAX_QUERY = 16  # longest non-prefill slice that joins the batched call (a verify is spec_k + 1)
@@ -78,7 +79,7 @@ class PreparedStep:
     logit_rows: int  # R
     groups: list  # SeqAttention | BatchedAttention, in execution order
     out_perm: mx.array | None  # attention rows in group order -> step order; None = already in order
-    kernel: str  # PER_SEQ | BATCHED: the step's attention kernel
+    kernel: str  # PER_SEQ | BATCHED | PADDED: the step's attention kernel
     kv_lens: tuple[int, ...]  # per slice, in plan order
     attended_rows: int  # query rows across all groups (= T)
     batch: int  # slices in the batched call (0 under per-seq)
@@ -90,7 +91,7 @@ class PreparedStep:
 
 
 def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
-    """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED)."""
+    """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED | PADDED)."""
     bs = blocks.block_size
     toks, pos, slots, logit = [], [], [], []
     row = 0
@@ -114,9 +115,12 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
     kv_lens = tuple(s.start + s.count for s in plan.slices)
 
     groups, order = [], []  # order: step rows in the order the groups produce them
-    batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
+    if kernel == PADDED:
+        batch = list(range(len(plan.slices)))
+    else:
+        batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
     if batch:
-        groups.append(_batched(plan, batch, tables, bs))
+        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED))
         for i in batch:
             s = plan.slices[i]
             order.extend(range(s.row_offset, s.row_offset + s.count))
@@ -137,13 +141,15 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
         plan=plan, rows=T, tokens=mx.array(cat(toks)), positions=mx.array(cat(pos)),
         write_slots=mx.array(slots_np), write_start=int(slots_np[0]) if run else None,
         logit_index=None if identity_logits else mx.array(logit_np), logit_rows=len(logit_np),
-        groups=groups, out_perm=perm, kernel=BATCHED if batch else PER_SEQ, kv_lens=kv_lens,
+        groups=groups, out_perm=perm, kernel=(PADDED if kernel == PADDED else BATCHED) if batch else PER_SEQ,
+        kv_lens=kv_lens,
         attended_rows=T, batch=len(batch),
         decode_queries=max((s.count for s in plan.slices if batchable(s)), default=0),
     )
 
 
-def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int) -> BatchedAttention:
+def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, *,
+             keep_mask: bool = False) -> BatchedAttention:
     sl = [plan.slices[i] for i in idx]
     B = len(sl)
     Q = max(s.count for s in sl)
@@ -167,7 +173,7 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int) 
     contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
     ragged = len(out_rows) != B * Q
     return BatchedAttention(
-        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=None if mask.all() else mx.array(mask),
+        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=None if mask.all() and not keep_mask else mx.array(mask),
         q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
         out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
     )

@@ -86,7 +86,7 @@ def test_both_kernels_match_a_float64_reference(dtype, spec):
     plan, blocks, cache, q = _step(spec, dtype)
     ref = _reference(plan, blocks, cache, q)
     tol = 1e-5 if dtype == mx.float32 else 3e-2  # bf16 keeps 8 bits of mantissa
-    for kernel in ("per-seq", "batched"):
+    for kernel in ("per-seq", "batched", "padded"):
         prep, out = _run(kernel, plan, blocks, cache, q)
         assert prep.kernel == kernel
         got = np.asarray(out.astype(mx.float32), np.float64)
@@ -111,6 +111,18 @@ def test_batched_call_is_unmasked_only_when_the_mask_masks_nothing():
         plan, blocks, _, _ = _step(spec, mx.float32)
         g = prepare_step(plan, blocks, "batched").groups[0]
         assert (g.mask is not None) == masked, spec
+
+
+def test_padded_puts_every_slice_in_one_masked_call():
+    """`padded` (BatchGenerator's calls): prefill slices join too, and the mask stays even
+    where it masks nothing."""
+    plan, blocks, _, _ = _step(MIXED, mx.float32)
+    prep = prepare_step(plan, blocks, "padded")
+    assert [type(g).__name__ for g in prep.groups] == ["BatchedAttention"] and prep.batch == len(MIXED)
+    assert prep.groups[0].queries == 12 and prep.groups[0].mask is not None
+    plan, blocks, _, _ = _step(EQUAL, mx.float32)
+    assert prepare_step(plan, blocks, "padded").groups[0].mask is not None
+    assert KernelPolicy.parse("padded").attention_kernel(0) == "padded"  # prefill-only steps too
 
 
 def test_batched_groups_every_decode_slice_in_one_call():
