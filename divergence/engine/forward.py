@@ -106,6 +106,9 @@ class PackedForward:
         """Build the step's graph (lazy): logits of the logit rows, K/V written in place."""
         dispatch.begin_step(prep.plan.index)
         T, H, KV, hd = prep.rows, self.n_heads, self.n_kv_heads, self.head_dim
+        real = prep.real_rows  # padded rows (`padded`): taps and K/V records see the plan's rows only
+        if real is not None and tap is not None:
+            tap = _real_rows_tap(tap, real, T)
         k_layers, v_layers = [], []
         routing = [] if keep_routing else None
         h = self.inner.embed_tokens(prep.tokens)
@@ -156,7 +159,10 @@ class PackedForward:
         else:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
         if keep_kv:
-            return StepOutput(logits, mx.stack(k_layers), mx.stack(v_layers), routing)
+            k_all, v_all = mx.stack(k_layers), mx.stack(v_layers)
+            if real is not None:
+                k_all, v_all = k_all[:, real], v_all[:, real]
+            return StepOutput(logits, k_all, v_all, routing)
         return StepOutput(logits, routing=routing)
 
     def _rope(self, rope, x: mx.array, prep: PreparedStep) -> mx.array:
@@ -167,7 +173,15 @@ class PackedForward:
         if self.vector_rope:
             return rope(x.reshape(T, n, 1, hd), offset=prep.positions)
         parts = []
-        for s in prep.plan.slices:  # one call per slice, the offset a number
-            xs = x[s.row_offset : s.row_offset + s.count].transpose(1, 0, 2)[None]
+        n = T // len(prep.plan.slices) if prep.real_rows is not None else 0  # padded: n rows per slice
+        for i, s in enumerate(prep.plan.slices):  # one call per slice, the offset a number
+            r0, count = (i * n, n) if n else (s.row_offset, s.count)
+            xs = x[r0 : r0 + count].transpose(1, 0, 2)[None]
             parts.append(rope(xs, offset=s.start)[0].transpose(1, 0, 2)[:, :, None])
         return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=0)
+
+
+def _real_rows_tap(tap: Tap, real: mx.array, rows: int) -> Tap:
+    def seen(layer, point, x):
+        tap(layer, point, x[real] if x.shape[0] == rows else x)
+    return seen

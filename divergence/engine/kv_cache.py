@@ -143,6 +143,9 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype):
         self.block_size = block_size
+        # one spare block past the BlockManager's ids: where the pad rows of a `padded`
+        # step (prepared.py) write their K/V; no sequence ever reads it
+        num_blocks += 1
         self.num_blocks = num_blocks
         shape = (kv_heads, num_blocks * block_size, head_dim)
         self.k = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]

@@ -84,6 +84,9 @@ class PreparedStep:
     attended_rows: int  # query rows across all groups (= T)
     batch: int  # slices in the batched call (0 under per-seq)
     decode_queries: int  # rows of the longest decode / verify slice (0: prefill only)
+    # the plan's rows (slice order) within the step's T rows when `padded` padded them; None:
+    # the rows are the plan's
+    real_rows: mx.array | None = None
 
     @property
     def slice_lengths(self) -> list[int]:
@@ -93,22 +96,36 @@ class PreparedStep:
 def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
     """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED | PADDED)."""
     bs = blocks.block_size
-    toks, pos, slots, logit = [], [], [], []
+    toks, pos, slots, logit, real = [], [], [], [], []
     row = 0
     tables = []
-    for s in plan.slices:
+    # `padded` lays the rows out as BatchGenerator's [B, n] batch does: every slice padded
+    # to the longest with token 0, so the linear ops see its row count and row positions
+    # (OpenBLAS's fp32 bits depend on both); pad rows write their K/V to the spare block
+    pad_to = max(s.count for s in plan.slices) if kernel == PADDED and plan.slices else 0
+    padded_rows = pad_to > 0 and any(s.count != pad_to for s in plan.slices)
+    for si, s in enumerate(plan.slices):
         assert s.row_offset == row, f"slice {s.request_id} starts at row {s.row_offset}, expected {row}"
         assert len(s.tokens) == s.count
         end = s.start + s.count
         table = np.asarray(blocks.tables[s.request_id][: -(-end // bs)], dtype=np.int32)
         tables.append(table)
         p = np.arange(s.start, end, dtype=np.int32)
+        base = si * pad_to if padded_rows else row
+        slot = table[p // bs] * bs + p % bs
+        tok = np.asarray(s.tokens, dtype=np.int32)
+        if padded_rows:
+            extra = pad_to - s.count
+            real.extend(range(base, base + s.count))
+            p = np.arange(s.start, s.start + pad_to, dtype=np.int32)
+            slot = np.concatenate([slot, np.full(extra, blocks.num_blocks * bs, slot.dtype)])
+            tok = np.concatenate([tok, np.zeros(extra, np.int32)])
         pos.append(p)
-        slots.append(table[p // bs] * bs + p % bs)
-        toks.append(np.asarray(s.tokens, dtype=np.int32))
-        logit.extend(row + r for r in s.logit_rows)
+        slots.append(slot)
+        toks.append(tok)
+        logit.extend(base + r for r in s.logit_rows)
         row += s.count
-    T = row
+    T = len(plan.slices) * pad_to if padded_rows else row
     cat = (lambda xs: np.concatenate(xs)) if len(plan.slices) != 1 else (lambda xs: xs[0])
     logit_np = np.asarray(logit, dtype=np.int32)
     identity_logits = len(logit_np) == T and np.array_equal(logit_np, np.arange(T))
@@ -120,8 +137,10 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
     else:
         batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
     if batch:
-        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED))
-        for i in batch:
+        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED, pad_rows=padded_rows))
+        if padded_rows:
+            order.extend(range(T))
+        for i in batch if not padded_rows else ():
             s = plan.slices[i]
             order.extend(range(s.row_offset, s.row_offset + s.count))
     in_batch = set(batch)
@@ -142,14 +161,16 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
         write_slots=mx.array(slots_np), write_start=int(slots_np[0]) if run else None,
         logit_index=None if identity_logits else mx.array(logit_np), logit_rows=len(logit_np),
         groups=groups, out_perm=perm, kernel=(PADDED if kernel == PADDED else BATCHED) if batch else PER_SEQ,
-        kv_lens=kv_lens,
+        kv_lens=kv_lens, real_rows=mx.array(np.asarray(real, dtype=np.int32)) if padded_rows else None,
         attended_rows=T, batch=len(batch),
         decode_queries=max((s.count for s in plan.slices if batchable(s)), default=0),
     )
 
 
 def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, *,
-             keep_mask: bool = False) -> BatchedAttention:
+             keep_mask: bool = False, pad_rows: bool = False) -> BatchedAttention:
+    """pad_rows: the step's rows are already [B, Q] (slice b at rows b * Q ...): every row,
+    pad rows included, is its own query and comes out in place."""
     sl = [plan.slices[i] for i in idx]
     B = len(sl)
     Q = max(s.count for s in sl)
@@ -164,12 +185,16 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
         t = tables[i]
         tab[b, : len(t)] = t
         tab[b, len(t):] = t[0]  # any valid block: masked out
-        q = np.minimum(np.arange(Q), s.count - 1)  # padded query rows repeat the last real one
-        q_index[b] = s.row_offset + q
+        if pad_rows:
+            q = np.arange(Q)
+            q_index[b] = b * Q + q
+        else:
+            q = np.minimum(np.arange(Q), s.count - 1)  # padded query rows repeat the last real one
+            q_index[b] = s.row_offset + q
         # query row q sits at position start + q and sees every position up to it
         mask[b, 0] = keys[None, :] <= (s.start + q)[:, None]
-        out_rows.extend(b * Q + r for r in range(s.count))
-    rows = [r for s in sl for r in range(s.row_offset, s.row_offset + s.count)]
+        out_rows.extend(b * Q + r for r in range(Q if pad_rows else s.count))
+    rows = list(range(B * Q)) if pad_rows else [r for s in sl for r in range(s.row_offset, s.row_offset + s.count)]
     contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
     ragged = len(out_rows) != B * Q
     return BatchedAttention(

@@ -93,11 +93,13 @@ def test_traces_diff_and_replay_bit_for_bit(fixture_traces, capsys):
             assert r.meta["settings"]["topk_values"] == "logprobs" and r.meta["settings"]["prefill"] == "mlx-lm"
 
 
-def test_a_batch_generator_divergence_is_confirmed_through_replay(random_model, tmp_path, capsys):
-    """fp32 on OpenBLAS, prompts of one length (no padding): BatchGenerator's serial and
-    concurrent traces differ in their logits; both replay bit for bit in the engine, so
-    bisect --confirm re-executes the concurrent trace with the cause step request by request
-    and confirms every request's root cause."""
+@pytest.mark.parametrize("lengths", ["equal", "mixed"])
+def test_a_batch_generator_divergence_is_confirmed_through_replay(random_model, tmp_path, capsys, lengths):
+    """fp32 on OpenBLAS: BatchGenerator's serial and concurrent traces differ in their
+    logits; both replay bit for bit in the engine (prompts of different lengths too: the
+    `padded` kernel lays a step out as its right-padded batch), so bisect --confirm
+    re-executes the concurrent trace with the cause step request by request and confirms
+    every request's root cause."""
     from divergence.analysis.replay import replay
     from divergence.blas import blas_in_use
 
@@ -106,7 +108,9 @@ def test_a_batch_generator_divergence_is_confirmed_through_replay(random_model, 
     loaded = random_model("qwen3", hidden_size=256, num_layers=3, heads=4, kv_heads=2, intermediate_size=512,
                           dtype="float32")
     rng = np.random.default_rng(5)
-    reqs = [Request(f"p{i}", tuple(int(t) for t in rng.integers(3, 1000, 16)), max_tokens=10) for i in range(6)]
+    sizes = [16] * 6 if lengths == "equal" else [16, 5, 23, 9, 16, 12]
+    reqs = [Request(f"p{i}", tuple(int(t) for t in rng.integers(3, 1000, n)), max_tokens=10)
+            for i, n in enumerate(sizes)]
     for s in ("serial", "concurrent"):
         _trace(loaded, reqs, s, tmp_path / f"{s}.h5")
         rep = replay(tmp_path / f"{s}.h5", out=tmp_path / f"{s}.replay.h5")

@@ -65,7 +65,13 @@ def _reference(plan, blocks, cache, q):
 
 def _run(kernel, plan, blocks, cache, q):
     prep = prepare_step(plan, blocks, kernel)
+    real = prep.real_rows
+    if real is not None:  # `padded` laid the rows out padded: the queries go there, the plan's rows come back
+        qp = mx.zeros((prep.rows,) + q.shape[1:], dtype=q.dtype)
+        qp[real] = q
+        q = qp
     out = attention.attend(prep, 0, q, cache, HD ** -0.5)
+    out = out if real is None else out[real]
     mx.eval(out)
     return prep, out
 
@@ -123,6 +129,23 @@ def test_padded_puts_every_slice_in_one_masked_call():
     plan, blocks, _, _ = _step(EQUAL, mx.float32)
     assert prepare_step(plan, blocks, "padded").groups[0].mask is not None
     assert KernelPolicy.parse("padded").attention_kernel(0) == "padded"  # prefill-only steps too
+
+
+def test_padded_lays_rows_out_as_a_right_padded_batch():
+    """Slices of different lengths under `padded`: T = B x longest rows, each slice at b * n,
+    pad rows token 0 writing to the cache's spare block, logit rows and real rows mapped."""
+    plan, blocks, cache, _ = _step(MIXED, mx.float32)
+    prep = prepare_step(plan, blocks, "padded")
+    n, B = max(s.count for s in plan.slices), len(plan.slices)
+    assert prep.rows == B * n and prep.groups[0].q_index is not None
+    real = np.asarray(prep.real_rows)
+    assert real.tolist() == [b * n + r for b, s in enumerate(plan.slices) for r in range(s.count)]
+    slots, toks = np.asarray(prep.write_slots), np.asarray(prep.tokens)
+    pad = np.setdiff1d(np.arange(B * n), real)
+    assert (slots[pad] == blocks.num_blocks * BS).all() and (toks[pad] == 0).all()
+    assert cache.k[0].shape[1] >= (blocks.num_blocks + 1) * BS  # the spare block exists
+    assert np.asarray(prep.logit_index).tolist() == [b * n + lr for b, s in enumerate(plan.slices)
+                                                     for lr in s.logit_rows]
 
 
 def test_batched_groups_every_decode_slice_in_one_call():
