@@ -66,7 +66,10 @@ def _batched(g: BatchedAttention, layer: int, q: mx.array, cache: PagedKVCache, 
         qs = q[g.q_index]
     else:
         qs = q[g.q_index].reshape(B, Q, H, hd).transpose(0, 2, 1, 3)
-    k, v = cache.gather_batch(layer, g.tables, g.length)
+    if g.left_slots is not None:
+        k, v = cache.gather_positions(layer, g.left_slots, B, g.length)
+    else:
+        k, v = cache.gather_batch(layer, g.tables, g.length)
     o = run_batched(qs, k, v, g.mask, scale)  # [B, H, Q, hd]
     o = o.reshape(B, H * hd) if Q == 1 else o.transpose(0, 2, 1, 3).reshape(B * Q, H * hd)
     return o if g.out_index is None else o[g.out_index]

@@ -207,5 +207,13 @@ class PagedKVCache:
             out.append(g if g.shape[2] == length else g[:, :, :length])
         return out[0], out[1]
 
+    def gather_positions(self, layer: int, slots: mx.array, batch: int, length: int) -> tuple[mx.array, mx.array]:
+        """[B, kv_heads, length, head_dim] read slot by slot (`slots`: [B * length] pool slots)."""
+        out = []
+        for pool in (self.k[layer], self.v[layer]):
+            kv, _, hd = pool.shape
+            out.append(pool[:, slots].reshape(kv, batch, length, hd).transpose(1, 0, 2, 3))
+        return out[0], out[1]
+
     def arrays(self) -> list[mx.array]:
         return self.k + self.v

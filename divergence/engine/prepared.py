@@ -65,6 +65,10 @@ class BatchedAttention:
     q_index: mx.array | None  # [B * Q] step rows to gather; None when the rows are [row0, row0 + B) (Q = 1)
     row0: int
     out_index: mx.array | None  # [rows] real rows of the [B * Q] output; None when no slice is padded
+    # `padded` decode steps: K/V read position by position and left-padded ([B * L] pool slots,
+    # pads from the spare block), as BatchGenerator's cache holds them after its prefill;
+    # None: read by block (`tables`), right-padded
+    left_slots: mx.array | None = None
 
 
 @dataclass
@@ -137,7 +141,9 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
     else:
         batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
     if batch:
-        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED, pad_rows=padded_rows))
+        left = kernel == PADDED and all(s.phase != PREFILL for s in plan.slices) and len(set(kv_lens)) > 1
+        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED, pad_rows=padded_rows,
+                               left_pad_slot=blocks.num_blocks * bs if left else None))
         if padded_rows:
             order.extend(range(T))
         for i in batch if not padded_rows else ():
@@ -168,7 +174,7 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
 
 
 def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, *,
-             keep_mask: bool = False, pad_rows: bool = False) -> BatchedAttention:
+             keep_mask: bool = False, pad_rows: bool = False, left_pad_slot: int | None = None) -> BatchedAttention:
     """pad_rows: the step's rows are already [B, Q] (slice b at rows b * Q ...): every row,
     pad rows included, is its own query and comes out in place."""
     sl = [plan.slices[i] for i in idx]
@@ -180,6 +186,7 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
     mask = np.zeros((B, 1, Q, L), dtype=bool)
     q_index = np.empty((B, Q), dtype=np.int32)
     keys = np.arange(L)
+    left = np.empty((B, L), dtype=np.int32) if left_pad_slot is not None else None
     out_rows = []
     for b, (i, s) in enumerate(zip(idx, sl)):
         t = tables[i]
@@ -192,7 +199,14 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
             q = np.minimum(np.arange(Q), s.count - 1)  # padded query rows repeat the last real one
             q_index[b] = s.row_offset + q
         # query row q sits at position start + q and sees every position up to it
-        mask[b, 0] = keys[None, :] <= (s.start + q)[:, None]
+        if left_pad_slot is None:
+            mask[b, 0] = keys[None, :] <= (s.start + q)[:, None]
+        else:  # left-padded: the sequence's position p sits at key p + pad
+            pad = L - (s.start + s.count)
+            mask[b, 0] = (keys[None, :] >= pad) & (keys[None, :] - pad <= (s.start + q)[:, None])
+            p = np.arange(s.start + s.count)
+            left[b, :pad] = left_pad_slot
+            left[b, pad:] = t[p // bs] * bs + p % bs
         out_rows.extend(b * Q + r for r in range(Q if pad_rows else s.count))
     rows = list(range(B * Q)) if pad_rows else [r for s in sl for r in range(s.row_offset, s.row_offset + s.count)]
     contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
@@ -201,4 +215,5 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
         slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=None if mask.all() and not keep_mask else mx.array(mask),
         q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
         out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
+        left_slots=None if left is None else mx.array(left.reshape(-1)),
     )

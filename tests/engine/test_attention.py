@@ -129,6 +129,15 @@ def test_padded_puts_every_slice_in_one_masked_call():
     plan, blocks, _, _ = _step(EQUAL, mx.float32)
     assert prepare_step(plan, blocks, "padded").groups[0].mask is not None
     assert KernelPolicy.parse("padded").attention_kernel(0) == "padded"  # prefill-only steps too
+    # decode steps of unequal lengths read K/V left-padded, as BatchGenerator's cache holds them
+    plan, blocks, _, _ = _step(DECODES, mx.float32)
+    g = prepare_step(plan, blocks, "padded").groups[0]
+    L = g.length
+    assert g.left_slots is not None and g.left_slots.shape == (len(DECODES) * L,)
+    first = plan.slices[3]  # (DECODE, 0, 1): one position, right-aligned
+    row = np.asarray(g.left_slots).reshape(len(DECODES), L)[3]
+    assert (row[:-1] == blocks.num_blocks * BS).all() and row[-1] == blocks.slots(first.request_id, 0, 1)[0]
+    assert np.asarray(g.mask)[3, 0, 0].tolist() == [False] * (L - 1) + [True]
 
 
 def test_padded_lays_rows_out_as_a_right_padded_batch():
