@@ -34,7 +34,7 @@ def add_arguments(p, *, html_required: bool = False) -> None:
 
 def main(args) -> int:
     from ..analysis.report import render_bisect
-    from .report_cmd import check_out, write_page
+    from .html_page import check_out, write_page
 
     html = check_out(args.html) if getattr(args, "html", None) else None
     a, b = open_pair(args.a, args.b)
