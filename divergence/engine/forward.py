@@ -106,7 +106,7 @@ class PackedForward:
         """Build the step's graph (lazy): logits of the logit rows, K/V written in place."""
         dispatch.begin_step(prep.plan.index)
         T, H, KV, hd = prep.rows, self.n_heads, self.n_kv_heads, self.head_dim
-        real = prep.real_rows  # padded rows (`padded`): taps and K/V records see the plan's rows only
+        real = prep.real_rows  # padded rows (`padded`): taps, K/V and routing records see the plan's rows only
         if real is not None and tap is not None:
             tap = _real_rows_tap(tap, real, T)
         k_layers, v_layers = [], []
@@ -158,6 +158,8 @@ class PackedForward:
                 tap(self.num_layers, "lm_head", logits)
         else:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
+        if real is not None and routing:
+            routing = [LayerRouting(r.layer, r.experts[real], r.ranked[real], r.gate_input[real]) for r in routing]
         if keep_kv:
             k_all, v_all = mx.stack(k_layers), mx.stack(v_layers)
             if real is not None:
