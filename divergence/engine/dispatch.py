@@ -20,6 +20,7 @@ from ..core.events import KernelChoice
 from ..core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
 from .kernels import LinearOp
 from .native_classes import AttentionClassProbe, NativeClassProbe
+from .prepared import BatchedAttention
 from ..core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
@@ -108,9 +109,9 @@ class KernelDispatcher:
         if not queries:
             return 0
         _, heads, _, head_dim = q.shape
-        unmasked = any(getattr(g, "mask", True) is None for g in prep.groups)
+        layout = next((g.layout for g in prep.groups if isinstance(g, BatchedAttention)), "right")
         return self.attention_classes.signature(prep.kernel, prep.batch, heads, kv_heads, head_dim, queries, q.dtype,
-                                                layout="equal" if unmasked else "right")
+                                                layout=layout)
 
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         if self._plain:

@@ -148,8 +148,8 @@ class AttentionClassProbe:
 
     def signature(self, kernel: str, batch: int, heads: int, kv_heads: int, head_dim: int, queries: int,
                   dtype, *, layout: str = "right") -> int:
-        if kernel == PADDED:  # a masked right-padded call, as `batched` makes with a mask
-            kernel, layout = BATCHED, "right"
+        if kernel == PADDED:  # one batched call, its layout the caller's (right- or left-padded)
+            kernel = BATCHED
         key = (kernel, batch if kernel == BATCHED else 0, heads, kv_heads, head_dim, queries, str(dtype), layout)
         sig = self._sig.get(key)
         if sig is None:

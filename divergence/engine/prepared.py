@@ -70,6 +70,12 @@ class BatchedAttention:
     # None: read by block (`tables`), right-padded
     left_slots: mx.array | None = None
 
+    @property
+    def layout(self) -> str:
+        """How the call lays its sequences out (native_classes.LAYOUTS): "equal" (unmasked),
+        "left" (left-padded) or "right" (right-padded)."""
+        return "equal" if self.mask is None else "left" if self.left_slots is not None else "right"
+
 
 @dataclass
 class PreparedStep:

@@ -140,6 +140,21 @@ def test_padded_puts_every_slice_in_one_masked_call():
     assert np.asarray(g.mask)[3, 0, 0].tolist() == [False] * (L - 1) + [True]
 
 
+def test_a_step_records_the_class_of_its_calls_layout():
+    """The recorded native class is the probe's for the layout the call had: a padded decode
+    of unequal lengths is left-padded, an equal-length batched decode unmasked."""
+    for spec, kernel, layout in ((DECODES, "padded", "left"), (DECODES, "batched", "right"),
+                                 (EQUAL, "batched", "equal")):
+        plan, blocks, cache, q = _step(spec, mx.float32)
+        seen = []
+        disp = KernelDispatcher(KernelPolicy.parse(kernel), "target", emit=seen.append)
+        disp.begin_step(0)
+        prep = prepare_step(plan, blocks, kernel)
+        mx.eval(disp.attend(prep, 0, q, cache, HD ** -0.5))
+        want = disp.attention_classes.signature("batched", len(spec), H, KV, HD, 1, q.dtype, layout=layout)
+        assert [c.native_class for c in seen] == [want], (kernel, layout)
+
+
 def test_padded_lays_rows_out_as_a_right_padded_batch():
     """Slices of different lengths under `padded`: T = B x longest rows, each slice at b * n,
     pad rows token 0 writing to the cache's spare block, logit rows and real rows mapped."""
