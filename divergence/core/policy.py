@@ -9,7 +9,7 @@ from .names import (  # noqa: F401  (re-exported)
     ATTENTION_KERNELS, BATCH_INVARIANT, BATCHED, GEMM, GEMV, KERNELS, NATIVE, PADDED, PER_SEQ,
 )
 
-POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS (attention: per-seq | batched)"
+POLICY_HELP = "native | batch-invariant | threshold:N | gemv | gemm | gemm:SPLITS (attention: per-seq | batched | padded)"
 
 
 @dataclass(frozen=True)

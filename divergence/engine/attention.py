@@ -4,8 +4,10 @@
 K/V (no mask for one query row, "causal" for several), the call mlx-lm's
 generate_step makes. `batched`: the step's decode / verify slices in one call over
 K/V gathered block by block and right-padded to the longest, with a boolean mask
-(causal inside a slice, nothing past its length), the call a batched engine makes.
-On MLX's CPU backend the two agree bit for bit for one-row queries (fp32 and bf16)
+(causal inside a slice, nothing past its length), the call a batched engine makes;
+no mask where it would mask nothing (equal lengths, one row each). `padded`:
+BatchGenerator's calls, every slice of the step in one masked call, decode K/V read
+left-padded (prepared.py lays the rows out). On MLX's CPU backend the two agree bit for bit for one-row queries (fp32 and bf16)
 and for verify rows in bf16; with OpenBLAS fp32 the padded reduction length changes
 verify rows in the last bit. On MLX CUDA a masked SDPA takes another kernel than an
 unmasked one: there they differ, as batched engines' outputs do.

@@ -78,7 +78,7 @@ def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -
 
 
 _state: dict = {}
-_decisions: dict = {}  # (m, n, k, dtype, quantized) -> the split or None: asked for every op of every step
+_decisions: dict = {}  # split_for's arguments -> the split or None: asked for every op of every step
 
 
 def process_split() -> ColumnSplit | None:

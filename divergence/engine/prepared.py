@@ -59,7 +59,7 @@ class BatchedAttention:
     tables: mx.array  # [B, nb] block ids (short rows padded with a valid block)
     # bool [B, 1, Q, L]: causal within each slice, nothing past its length. None when it
     # masks nothing (one query row each, every KV length equal: how batches of equal
-    # prompts decode): an unmasked call, as BatchGenerator makes without left padding;
+    # prompts decode), except under `padded` (BatchGenerator passes its mask even then):
     # on MLX CUDA only an unmasked decode SDPA gets the fused vector kernel.
     mask: mx.array | None
     q_index: mx.array | None  # [B * Q] step rows to gather; None when the rows are [row0, row0 + B) (Q = 1)
