@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from .core.host import CPU_SPLIT_ENV, usable_cores
+
 SIZE_ENV = "DIVERGENCE_TP_SIZE"  # same names as engine/tp.py (which imports mlx)
 DIR_ENV = "DIVERGENCE_TP_DIR"
 BACKEND_ENV = "DIVERGENCE_TP_BACKEND"  # ring (default) | nccl
@@ -109,9 +111,8 @@ def backend() -> str:
 
 def _rank_env(r: int, n: int, tmp: Path, kind: str, hostfile: Path | None, nccl_port: int | None) -> dict:
     env = {"MLX_RANK": str(r), SIZE_ENV: str(n), DIR_ENV: str(tmp)}
-    if "DIVERGENCE_CPU_SPLIT" not in os.environ:  # the ranks share the cores (engine/cpu_split.py)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        env["DIVERGENCE_CPU_SPLIT"] = str(max(1, cores // n))
+    if CPU_SPLIT_ENV not in os.environ:  # the ranks share the cores (engine/cpu_split.py)
+        env[CPU_SPLIT_ENV] = str(max(1, usable_cores() // n))
     if kind == "ring":
         env["MLX_HOSTFILE"] = str(hostfile)
         return env

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-ENV = "DIVERGENCE_CPU_SPLIT"
+from ..core.host import CPU_SPLIT_ENV as ENV, usable_cores
+
 MAX_PARTS = 8
 MIN_MACS = 1 << 18  # below this the cross-stream wait costs more than the second core gains
 ALIGN = 16  # part edges on simd_gemm's 16-column blocks
@@ -65,7 +66,7 @@ def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -
     # The same calls as mlx.nn's modules make, on rows n0:n1 of every per-output tensor.
     bias = None if tied_embedding or "bias" not in module else module["bias"][n0:n1]
     w = module["weight"][n0:n1]
-    if hasattr(module, "scales"):
+    if "scales" in module:
         biases = module.get("biases")
         out = mx.quantized_matmul(x, w, scales=module["scales"][n0:n1],
                                   biases=biases[n0:n1] if biases is not None else None, transpose=True,
@@ -115,9 +116,9 @@ def _decide() -> ColumnSplit | None:
         return None
     choice = os.environ.get(ENV, "").strip()
     try:
-        parts = int(choice) if choice else min(MAX_PARTS, len(os.sched_getaffinity(0)))
-    except (ValueError, AttributeError):
-        parts = min(MAX_PARTS, os.cpu_count() or 1)
+        parts = int(choice) if choice else min(MAX_PARTS, usable_cores())
+    except ValueError:
+        parts = min(MAX_PARTS, usable_cores())
     if parts < 2:
         return None
     from ..blas import blas_in_use

@@ -42,13 +42,15 @@ class LinearOp:
     # Asked for every op of every step: looked up once (a module attribute probe goes
     # through mlx.nn.Module.__getattr__, ~1 us each, dozens per step).
     quantized: bool = field(init=False)
+    weight_dtype: object = field(init=False, repr=False)
 
     def __post_init__(self):
         self.quantized = "scales" in self.module
+        self.weight_dtype = self.module["weight"].dtype
 
     def native(self, x: mx.array) -> mx.array:
         split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
-                                    self.quantized or x.dtype == self.module.weight.dtype, self.quantized)
+                                    self.quantized or x.dtype == self.weight_dtype, self.quantized)
         if split is not None:
             return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
         if self.tied_embedding:
