@@ -270,6 +270,18 @@ def test_probe_reports_attention_classes_by_layout_and_batch(monkeypatch):
     assert got[1] != 0 and got[2] != 0
 
 
+def _two_prefills(fwd, **kw):
+    """One native step of two prefill slices (5 and 3 rows) on a fresh cache."""
+    blocks = BlockManager(16, BS)
+    cache = fwd.make_cache(16, BS)
+    disp = KernelDispatcher(KernelPolicy.parse("native"), "target")
+    for rid in ("a", "b"):
+        blocks.allocate(rid, 40)
+    plan = StepPlan(0, "target", (SeqSlice("a", PREFILL, 0, 5, 0, (1, 2, 3, 4, 5), (4,)),
+                                  SeqSlice("b", PREFILL, 0, 3, 5, (6, 7, 8), (2,))))
+    return fwd(plan, cache, blocks, disp, **kw)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tap_sees_every_op_in_forward_order_and_changes_nothing(random_model, family):
     from divergence.core.names import TAP_POINTS
@@ -280,14 +292,7 @@ def test_tap_sees_every_op_in_forward_order_and_changes_nothing(random_model, fa
     seen = []
     outs = []
     for tap in (None, lambda layer, point, rows: seen.append((layer, point, rows.shape[0]))):
-        blocks = BlockManager(16, BS)
-        cache = fwd.make_cache(16, BS)
-        disp = KernelDispatcher(KernelPolicy.parse("native"), "target")
-        for rid in ("a", "b"):
-            blocks.allocate(rid, 40)
-        plan = StepPlan(0, "target", (SeqSlice("a", PREFILL, 0, 5, 0, (1, 2, 3, 4, 5), (4,)),
-                                      SeqSlice("b", PREFILL, 0, 3, 5, (6, 7, 8), (2,))))
-        out = fwd(plan, cache, blocks, disp, tap=tap)
+        out = _two_prefills(fwd, tap=tap)
         mx.eval(out.logits)
         outs.append(_bits(out.logits))
     assert np.array_equal(outs[0], outs[1])
@@ -310,14 +315,7 @@ def test_slice_by_slice_rope_equals_the_one_call_rope(random_model):
     got = []
     for vector in (True, False):
         fwd.vector_rope = vector
-        blocks = BlockManager(16, BS)
-        cache = fwd.make_cache(16, BS)
-        disp = KernelDispatcher(KernelPolicy.parse("native"), "target")
-        for rid in ("a", "b"):
-            blocks.allocate(rid, 40)
-        plan = StepPlan(0, "target", (SeqSlice("a", PREFILL, 0, 5, 0, (1, 2, 3, 4, 5), (4,)),
-                                      SeqSlice("b", PREFILL, 0, 3, 5, (6, 7, 8), (2,))))
-        out = fwd(plan, cache, blocks, disp, keep_kv=True)
+        out = _two_prefills(fwd, keep_kv=True)
         mx.eval(out.logits, out.k_written)
         got.append((_bits(out.logits), _bits(out.k_written)))
     assert all(np.array_equal(a, b) for a, b in zip(*got))
