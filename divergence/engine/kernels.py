@@ -46,7 +46,7 @@ class LinearOp:
 
     def __post_init__(self):
         self.quantized = "scales" in self.module
-        self.weight_dtype = self.module["weight"].dtype
+        self.weight_dtype = self.module.weight.dtype
 
     def native(self, x: mx.array) -> mx.array:
         split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
