@@ -21,6 +21,7 @@ usable cores, at most 8).
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -80,12 +81,17 @@ def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -
 
 _state: dict = {}
 _decisions: dict = {}  # split_for's arguments -> the split or None: asked for every op of every step
+# False once this process is known to split nothing (a GPU, one core, DIVERGENCE_CPU_SPLIT=1):
+# LinearOp.native then skips split_for (asked ~170 times a step on a 24-layer model)
+MAY_SPLIT = True
 
 
 def process_split() -> ColumnSplit | None:
     """This process's split (None: off), decided once: the device, the cores, the BLAS."""
+    global MAY_SPLIT
     if "split" not in _state:
         _state["split"] = _decide()
+        MAY_SPLIT = _state["split"] is not None
     return _state["split"]
 
 
@@ -104,8 +110,9 @@ def split_for(m: int, n: int, k: int, dtype, same_dtype: bool, quantized: bool) 
 def configure(split: ColumnSplit | None = None, *, min_macs: int | None = None) -> None:
     """Set this process's split (and threshold) by hand: tests and benchmarks. Forgets
     every earlier decision."""
-    global MIN_MACS
+    global MIN_MACS, MAY_SPLIT
     _state["split"] = split
+    MAY_SPLIT = split is not None
     if min_macs is not None:
         MIN_MACS = min_macs
     _decisions.clear()
@@ -119,6 +126,8 @@ def _decide() -> ColumnSplit | None:
         parts = int(choice) if choice else min(MAX_PARTS, usable_cores())
     except ValueError:
         parts = min(MAX_PARTS, usable_cores())
+        warnings.warn(f"{ENV}={choice!r} is not a number of parts; splitting in {parts} (1 turns it off)",
+                      stacklevel=2)
     if parts < 2:
         return None
     from ..blas import blas_in_use

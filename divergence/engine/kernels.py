@@ -47,15 +47,16 @@ class LinearOp:
     def __post_init__(self):
         self.quantized = "scales" in self.module
         self.weight_dtype = self.module.weight.dtype
+        # the module's own product, bound once (mlx.nn's Module.__call__ -> Linear.__call__)
+        self._product = self.module.as_linear if self.tied_embedding else self.module.__call__
 
     def native(self, x: mx.array) -> mx.array:
-        split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
-                                    self.quantized or x.dtype == self.weight_dtype, self.quantized)
-        if split is not None:
-            return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
-        if self.tied_embedding:
-            return self.module.as_linear(x)
-        return self.module(x)
+        if cpu_split.MAY_SPLIT:
+            split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
+                                        self.quantized or x.dtype == self.weight_dtype, self.quantized)
+            if split is not None:
+                return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
+        return self._product(x)
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module, *, tied_embedding: bool = False,

@@ -154,7 +154,10 @@ class PagedKVCache:
         # one index array (head * blocks + block), ~10% faster than indexing two axes
         self._head_base = (mx.arange(kv_heads) * num_blocks)[None, :, None]
         self._flat: tuple = (None, None)  # (tables, their flat index): made once per step, used by every layer
-        mx.eval(self.k, self.v)
+        self._head_ids = mx.arange(kv_heads, dtype=mx.int32)[:, None]
+        self._heads: dict[int, mx.array] = {}  # rows written -> [kv_heads, rows] head index of a scatter
+        self._scatter: tuple = (None, None)  # (slots, their scatter index): made once per step
+        mx.eval(self.k, self.v, self._head_ids)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array, *, start: int | None = None) -> None:
         """k, v: [n, kv_heads, head_dim] for the n positions at `slots`: one scatter per
@@ -165,8 +168,22 @@ class PagedKVCache:
             self.k[layer][:, start : start + n] = k.swapaxes(0, 1)
             self.v[layer][:, start : start + n] = v.swapaxes(0, 1)
             return
-        self.k[layer][:, slots] = k.swapaxes(0, 1)
-        self.v[layer][:, slots] = v.swapaxes(0, 1)
+        heads, at = self._write_index(slots)
+        self.k[layer][heads, at] = k.swapaxes(0, 1)
+        self.v[layer][heads, at] = v.swapaxes(0, 1)
+
+    def _write_index(self, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """[kv_heads, n] index arrays of a scatter to `slots`, made once per step (every
+        layer's write reuses them). `pool[:, slots] = x` would build them per call: an
+        arange, two casts and two copies per scatter, ~200 small kernels a step on MLX CUDA
+        for a 24-layer model (the same bits: a scatter only moves values)."""
+        if self._scatter[0] is not slots:
+            n = slots.shape[0]
+            heads = self._heads.get(n)
+            if heads is None:
+                heads = self._heads[n] = mx.broadcast_to(self._head_ids, (self._head_ids.shape[0], n)) + 0
+            self._scatter = (slots, (heads, slots[None, :] + mx.zeros_like(heads)))
+        return self._scatter[1]
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """[n, kv_heads, head_dim] at `slots` (position by position; tests and tools)."""

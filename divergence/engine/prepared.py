@@ -105,6 +105,55 @@ class PreparedStep:
 
 def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
     """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED | PADDED)."""
+    if kernel != PADDED and plan.slices and all(s.count == 1 and s.phase != PREFILL for s in plan.slices):
+        return _prepare_decode(plan, blocks, kernel)
+    return _prepare_general(plan, blocks, kernel)
+
+
+def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
+    """A step of one-row decode / draft slices (every decode step of a run): the same
+    PreparedStep as _prepare_general, from Python ints instead of per-slice numpy arrays
+    (a tenth of the host time at B=8; tests/engine/test_prepared.py compares the two)."""
+    bs = blocks.block_size
+    sl = plan.slices
+    B = len(sl)
+    tabs, starts, slots, logit = [], [], [], []
+    for i, s in enumerate(sl):
+        assert s.row_offset == i, f"slice {s.request_id} starts at row {s.row_offset}, expected {i}"
+        t = blocks.tables[s.request_id]
+        p = s.start
+        tabs.append(t[: p // bs + 1])
+        starts.append(p)
+        slots.append(t[p // bs] * bs + p % bs)
+        logit.extend(i + r for r in s.logit_rows)
+    kv_lens = tuple(p + 1 for p in starts)
+    if kernel == BATCHED:
+        L = max(kv_lens)
+        nb = -(-L // bs)
+        tab = mx.array([t + [t[0]] * (nb - len(t)) for t in tabs], dtype=mx.int32)
+        mask = None
+        if min(kv_lens) != L:  # each row sees its own positions only
+            mask = mx.array((np.arange(L)[None, :] < np.asarray(kv_lens)[:, None])[:, None, None, :])
+        groups = [BatchedAttention(tuple(range(B)), 1, L, tab, mask, None, 0, None)]
+    else:
+        groups = []
+        for i, t in enumerate(tabs):
+            consecutive = all(b - a == 1 for a, b in zip(t, t[1:]))
+            groups.append(SeqAttention(i, 1, kv_lens[i], mx.array(t, dtype=mx.int32),
+                                       t[0] * bs if consecutive else None))
+    run = all(b - a == 1 for a, b in zip(slots, slots[1:]))
+    identity_logits = logit == list(range(B))
+    return PreparedStep(
+        plan=plan, rows=B, tokens=mx.array([s.tokens[0] for s in sl], dtype=mx.int32),
+        positions=mx.array(starts, dtype=mx.int32), write_slots=mx.array(slots, dtype=mx.int32),
+        write_start=slots[0] if run else None,
+        logit_index=None if identity_logits else mx.array(logit, dtype=mx.int32), logit_rows=len(logit),
+        groups=groups, out_perm=None, kernel=BATCHED if kernel == BATCHED else PER_SEQ, kv_lens=kv_lens,
+        attended_rows=B, batch=B if kernel == BATCHED else 0, decode_queries=1,
+    )
+
+
+def _prepare_general(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
     bs = blocks.block_size
     toks, pos, slots, logit, real = [], [], [], [], []
     row = 0
