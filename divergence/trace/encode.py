@@ -21,6 +21,7 @@ class Batch:
 
     items: dict = field(default_factory=dict)  # table -> list of event objects or Cols
     steps: int = 0  # StepEvents in this batch
+    last: bool = False  # the closing hand-off: nothing follows it
 
     def add(self, table: str, item) -> None:
         lst = self.items.get(table)

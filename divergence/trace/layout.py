@@ -37,9 +37,11 @@ class TableFile:
         self.tail = np.empty(0, body.dtype)  # rows after it (fewer than one chunk)
         self.slot = 0  # the tail slot the last commit named
 
-    def append(self, records: np.ndarray) -> None:
+    def append(self, records: np.ndarray, *, last: bool = False) -> None:
+        """last: nothing follows (the run is closing): every row goes into the body, the
+        last chunk partial, without the tail slot's write and flush (finish() in one)."""
         buf = np.concatenate([self.tail, records]) if len(self.tail) else records
-        full = len(buf) - len(buf) % self.rows
+        full = len(buf) if last else len(buf) - len(buf) % self.rows
         if full:
             self.body.resize((self.nb + full,))
             self.body[self.nb:] = buf[:full]

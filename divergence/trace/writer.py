@@ -159,9 +159,10 @@ class TraceWriter(Observer):
             self._handoff(wait=True)
 
     # -- hand-off and the flush thread -----------------------------------------------------
-    def _handoff(self, *, wait: bool) -> None:
+    def _handoff(self, *, wait: bool, last: bool = False) -> None:
         self._raise_if_failed()
         batch, self._batch = self._batch, Batch()
+        batch.last = last
         self._last_handoff = time.perf_counter()
         if self._queue is None:
             self._write(batch)
@@ -195,9 +196,10 @@ class TraceWriter(Observer):
         records = self._encoder.encode(batch)
         with H5_LOCK:
             for name, arrs in records.items():
-                self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs))
-            self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
-            self._commit.write()
+                self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
+            if not batch.last:  # the last one: close flushes and commits once, after finishing the tables
+                self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
+                self._commit.write()
         self.durable_steps += batch.steps
 
     def _raise_if_failed(self) -> None:
@@ -215,7 +217,7 @@ class TraceWriter(Observer):
         self._started = False
         error = None
         try:
-            self._handoff(wait=True)
+            self._handoff(wait=True, last=True)
         except TraceError as e:
             error = e
         finally:
