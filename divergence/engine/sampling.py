@@ -188,8 +188,8 @@ def _unpack(p: np.ndarray, dtype) -> Sampled:
     part = p[:, 1 : 1 + k].astype(np.int32)
     vals = _widen(p[:, 1 + k : 1 + 2 * k], dtype)
     order = np.lexsort((part, -vals), axis=-1)
-    return Sampled(p[:, 0].astype(np.int64), np.take_along_axis(part, order, axis=-1),
-                   np.take_along_axis(vals, order, axis=-1), _widen(p[:, 1 + 2 * k], dtype),
+    rows = np.arange(len(p))[:, None]  # (fancy indexing: take_along_axis costs more than the sort at [8, 8])
+    return Sampled(p[:, 0].astype(np.int64), part[rows, order], vals[rows, order], _widen(p[:, 1 + 2 * k], dtype),
                    lse=p[:, 2 + 2 * k].view(np.float32))
 
 
