@@ -1,14 +1,5 @@
 #!/bin/bash
-# two calls: STAGE=1 with .whl-c1 carried, then with .whl-c2; then runs $EXP (commands) with results in $OUT
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-W=/root/whl; mkdir -p $W /root/res
-cp -f .whl-c1/* .whl-c2/* $W/ 2>/dev/null
-[ "$STAGE" = 1 ] && { ls -la $W; exit 0; }
-if [ ! -f /root/site/.done ]; then
-  cat $W/cudapart.* > $W/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site \
-    $W/mlx-*.whl $W/mlx_lm-*.whl $W/mlx_cuda_13-*.whl && touch /root/site/.done || exit 4
-fi
-[ -e divergence/fixtures ] || ln -sfn ../fixtures divergence/fixtures
-export PYTHONPATH=$PWD:/root/site
+# Two calls on the lent GPU machine: STAGE=1 with .whl-c1 carried, then with .whl-c2;
+# the second installs MLX CUDA and runs $EXP (its results go to $OUT).
+. bench/results/cuda/install_mlx_cuda.sh
 eval "$EXP"

@@ -3,18 +3,9 @@
 #   1. carry .whl-c1 (mlx + mlx-lm wheels, the first part of mlx-cuda-13): STAGE=1 saves them
 #   2. carry .whl-c2 (the rest): installs, then runs the checks and benchmarks below.
 # Results go to /root/res and come back as one archive in $OUT.
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-W=/root/whl; R=/root/res; mkdir -p $W $R
-cp -f .whl-c1/* .whl-c2/* $W/ 2>/dev/null
-[ "$STAGE" = 1 ] && { ls -la $W; exit 0; }
-exec > >(tee -a $R/log.txt) 2>&1
-if [ ! -f /root/site/.done ]; then
-  cat $W/cudapart.* > $W/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site \
-    $W/mlx-*.whl $W/mlx_lm-*.whl $W/mlx_cuda_13-*.whl && touch /root/site/.done || exit 4
-fi
-[ -e divergence/fixtures ] || ln -sfn ../fixtures divergence/fixtures
-export PYTHONPATH=$PWD:/root/site
+R=/root/res; mkdir -p $R
+[ "$STAGE" = 1 ] || exec > >(tee -a $R/log.txt) 2>&1
+. bench/results/cuda/install_mlx_cuda.sh
 LIMIT=${LIMIT:-570}
 step() {  # step NAME MIN_SECONDS_LEFT CMD...: once per warm machine, stdout to $R/NAME
   local name=$1 need=$2; shift 2
