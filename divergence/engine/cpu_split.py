@@ -82,16 +82,21 @@ def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -
 _state: dict = {}
 _decisions: dict = {}  # split_for's arguments -> the split or None: asked for every op of every step
 # False once this process is known to split nothing (a GPU, one core, DIVERGENCE_CPU_SPLIT=1):
-# LinearOp.native then skips split_for (asked ~170 times a step on a 24-layer model)
+# LinearOp.native then skips split_for (asked ~170 times a step on a 24-layer model). Set
+# only by _set and forget, so it never disagrees with _state.
 MAY_SPLIT = True
+
+
+def _set(split: ColumnSplit | None) -> None:
+    global MAY_SPLIT
+    _state["split"] = split
+    MAY_SPLIT = split is not None
 
 
 def process_split() -> ColumnSplit | None:
     """This process's split (None: off), decided once: the device, the cores, the BLAS."""
-    global MAY_SPLIT
     if "split" not in _state:
-        _state["split"] = _decide()
-        MAY_SPLIT = _state["split"] is not None
+        _set(_decide())
     return _state["split"]
 
 
@@ -110,12 +115,19 @@ def split_for(m: int, n: int, k: int, dtype, same_dtype: bool, quantized: bool) 
 def configure(split: ColumnSplit | None = None, *, min_macs: int | None = None) -> None:
     """Set this process's split (and threshold) by hand: tests and benchmarks. Forgets
     every earlier decision."""
-    global MIN_MACS, MAY_SPLIT
-    _state["split"] = split
-    MAY_SPLIT = split is not None
+    global MIN_MACS
+    _set(split)
     if min_macs is not None:
         MIN_MACS = min_macs
     _decisions.clear()
+
+
+def forget() -> None:
+    """Back to undecided: the next product decides the process's split again (tests)."""
+    global MAY_SPLIT
+    _state.pop("split", None)
+    _decisions.clear()
+    MAY_SPLIT = True
 
 
 def _decide() -> ColumnSplit | None:

@@ -40,9 +40,9 @@ def configure():
     yield cpu_split.configure
     cpu_split.configure(None, min_macs=threshold)
     if saved == "unset":
-        cpu_split._state.pop("split")
+        cpu_split.forget()
     else:
-        cpu_split._state["split"] = saved
+        cpu_split.configure(saved)
 
 
 def _modules(dtype, n: int, k: int):
@@ -145,3 +145,14 @@ def test_reference_blas_fp32_is_split_and_bitwise():
     env.pop(cpu_split.ENV, None)
     out = subprocess.run([sys.executable, "-c", _REFERENCE_BLAS], env=env, capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_fast_flag_follows_every_decision(configure):
+    """LinearOp.native asks split_for only while MAY_SPLIT: it must never say False while a
+    split is set or the process is still undecided (the split would stay off for good)."""
+    configure(None)
+    assert not cpu_split.MAY_SPLIT
+    configure(_split(2))
+    assert cpu_split.MAY_SPLIT
+    cpu_split.forget()
+    assert cpu_split.MAY_SPLIT and "split" not in cpu_split._state
