@@ -152,12 +152,12 @@ class PagedKVCache:
         self.v = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         # batched block reads index the pool viewed as [kv_heads * blocks, block_size, head_dim]:
         # one index array (head * blocks + block), ~10% faster than indexing two axes
-        self._head_base = (mx.arange(kv_heads) * num_blocks)[None, :, None]
+        self._head_ids = mx.arange(kv_heads, dtype=mx.int32)[:, None]  # [kv_heads, 1]
+        self._head_base = (self._head_ids * num_blocks)[None]  # [1, kv_heads, 1]
         self._flat: tuple = (None, None)  # (tables, their flat index): made once per step, used by every layer
-        self._head_ids = mx.arange(kv_heads, dtype=mx.int32)[:, None]
         self._heads: dict[int, mx.array] = {}  # rows written -> [kv_heads, rows] head index of a scatter
         self._scatter: tuple = (None, None)  # (slots, their scatter index): made once per step
-        mx.eval(self.k, self.v, self._head_ids)
+        mx.eval(self.k, self.v, self._head_ids, self._head_base)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array, *, start: int | None = None) -> None:
         """k, v: [n, kv_heads, head_dim] for the n positions at `slots`: one scatter per

@@ -113,7 +113,7 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
 def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
     """A step of one-row decode / draft slices (every decode step of a run): the same
     PreparedStep as _prepare_general, from Python ints instead of per-slice numpy arrays
-    (a tenth of the host time at B=8; tests/engine/test_prepared.py compares the two)."""
+    (fixture, B=8: 0.165 -> 0.025 ms a step; tests/engine/test_prepared.py compares the two)."""
     bs = blocks.block_size
     sl = plan.slices
     B = len(sl)
