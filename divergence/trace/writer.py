@@ -69,6 +69,7 @@ class TraceWriter(Observer):
         self._batch = Batch()
         self._last_handoff = 0.0
         self.durable_steps = 0  # steps on disk (set by the flush thread after each file flush)
+        self._closing_steps = 0  # the closing hand-off's steps: on disk once close commits them
         self._started = False
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
@@ -197,9 +198,11 @@ class TraceWriter(Observer):
         with H5_LOCK:
             for name, arrs in records.items():
                 self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
-            if not batch.last:  # the last one: close flushes and commits once, after finishing the tables
-                self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
-                self._commit.write()
+            if batch.last:  # close flushes and commits once, after finishing the tables
+                self._closing_steps = batch.steps
+                return
+            self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
+            self._commit.write()
         self.durable_steps += batch.steps
 
     def _raise_if_failed(self) -> None:
@@ -230,6 +233,7 @@ class TraceWriter(Observer):
                                 t.finish()
                             self.f.flush()
                             self._commit.write()
+                            self.durable_steps += self._closing_steps
                         if completed and error is None:
                             self.f[S.STATUS][0] = 1
                             self.f.flush()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from divergence import Trace
 from divergence.trace.writer import TraceWriter
@@ -92,3 +93,36 @@ def test_a_flush_per_step_costs_no_file_space(tmp_path, monkeypatch):
         with Trace.open(p) as t:
             assert t.num_steps == 400 and len(t.tokens("r2").tokens) == 399
     assert sizes[True] <= sizes[False] * 1.1, sizes
+
+
+def test_durable_steps_counts_the_closing_flush_once_committed(tmp_path, monkeypatch):
+    """The closing hand-off's steps count as on disk only after close commits them."""
+    from divergence.trace import writer as W
+
+    for every_step in (False, True):
+        monkeypatch.setattr(W, "FLUSH_SECONDS", 0.0 if every_step else 1e9)
+        w = TraceWriter(tmp_path / f"{every_step}.h5", top_k=4)
+        emit_run(w, steps=40, end=False)
+        if not every_step:  # nothing handed off yet: nothing on disk
+            assert w.durable_steps == 0
+        w.on_run_end(True)
+        assert w.durable_steps == 40
+        with Trace.open(w.path) as t:
+            assert t.num_steps == 40
+
+
+def test_a_failed_close_does_not_count_its_steps_as_on_disk(tmp_path, monkeypatch):
+    from divergence.trace import layout
+    from divergence.trace import writer as W
+
+    monkeypatch.setattr(W, "FLUSH_SECONDS", 1e9)  # one hand-off: the closing one
+    w = TraceWriter(tmp_path / "t.h5", top_k=4)
+    emit_run(w, steps=10, end=False)
+
+    def broken(self):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(layout.TableFile, "finish", broken)
+    with pytest.raises(OSError):
+        w.on_run_end(True)
+    assert w.durable_steps == 0
