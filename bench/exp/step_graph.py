@@ -18,7 +18,7 @@ model = sys.argv[1] if len(sys.argv) > 1 else "qwen0.5b"
 cache = sys.argv[2] if len(sys.argv) > 2 else None
 tp, _, _ = C.fixture_paths()
 path = tp if model == "fixture" else C.qwen_path(tp, cache)
-t = C.load(path, "bfloat16" if "4bit" not in model else None) if True else None
+t = C.load(path, os.environ.get("DTYPE", "bfloat16") if "4bit" not in model else None)
 ps = C.prompts(t.encode, 8, 16)
 out = {}
 

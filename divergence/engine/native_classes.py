@@ -13,6 +13,10 @@ on one machine compare: bisect says "gate_proj's native class changed between 1 
 Why many rows: with bf16 outputs a reordered fp32 sum usually rounds to the same
 bf16 value, so one probe row often hides a kernel switch (seen on the H200: one row
 called the fixture's linear ops batch-invariant, real hidden states said otherwise).
+What hides a switch is too few output *values*, so an op gets rows up to
+PROBE_VALUES values: 32 rows of every op up to 8,192 columns, fewer of a wide one. A
+vocabulary head (151,936 columns on Qwen2.5) gets 2 rows: 32 one-row calls of it had
+read its 545 MB of fp32 weights 32 times, 1.8 s of an 11 s `divergence run`.
 """
 from __future__ import annotations
 
@@ -27,7 +31,14 @@ from . import attention, kernels
 from .bits import raw_bits
 from .kernels import LinearOp
 
-PROBE_ROWS = 32  # rows whose outputs make the signature
+PROBE_ROWS = 32  # rows whose outputs make the signature (at most)
+PROBE_VALUES = PROBE_ROWS * 8192  # output values enough to show a kernel switch
+
+
+def probe_rows(n: int) -> int:
+    """Rows whose outputs make the signature of an op of n columns: enough for PROBE_VALUES
+    values. The same rows at every row count M, or signatures of one kernel would differ."""
+    return max(1, min(PROBE_ROWS, -(-PROBE_VALUES // max(n, 1))))
 PROBE_POOL_ROWS = 64  # distinct random input rows, tiled for calls of more rows
 PROBE_SEED = 7
 
@@ -48,13 +59,13 @@ class NativeClassProbe:
         return self._pool[key]
 
     def outputs(self, op: LinearOp, m: int, dtype) -> np.ndarray:
-        """The first PROBE_ROWS output rows, computed in calls of exactly m rows, as bits."""
+        """The first probe_rows(n) output rows, computed in calls of exactly m rows, as bits."""
         run = self._run or kernels.run_native  # looked up per call: tests swap the backend
         pool = self._input(op.k, dtype)
-        outs, done = [], 0
-        while done < PROBE_ROWS:
+        outs, done, want = [], 0, probe_rows(op.n)
+        while done < want:
             idx = (np.arange(done, done + m) % PROBE_POOL_ROWS).astype(np.int32)
-            y = run(pool[mx.array(idx)], op)[: PROBE_ROWS - done]
+            y = run(pool[mx.array(idx)], op)[: want - done]
             mx.eval(y)
             outs.append(raw_bits(y))
             done += y.shape[0]
