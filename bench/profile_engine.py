@@ -232,11 +232,13 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="fixture,qwen0.5b")
-    ap.add_argument("--dtypes", default="float32")
+    ap.add_argument("--dtypes", default="float32", help="comma list; 'stored' keeps the dtype on disk (4-bit)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--no-pyinstrument", action="store_true")
     ap.add_argument("--target", default=None)
     ap.add_argument("--model-cache", default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="decode tokens per run (default: per model)")
+    ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--out", default=str(C.RESULTS / "profile.json"))
     a = ap.parse_args()
     meta = C.meta(a)  # at the start: the engine commit that was measured
@@ -245,9 +247,12 @@ def main():
     batches = [int(x) for x in a.batches.split(",")]
     out = []
     for name in a.models.split(","):
-        path = target if name == "fixture" else C.qwen_path(target, a.model_cache)
+        path = C.model_path(name, target, a.model_cache)
         for dtype in a.dtypes.split(","):
-            out.append(breakdown(name, path, dtype, SIZES[name], batches, not a.no_pyinstrument, C.RESULTS))
+            sz = dict(SIZES[name.replace("-4bit", "")])
+            sz.update({k: v for k, v in (("tokens", a.tokens), ("reps", a.reps)) if v})
+            out.append(breakdown(name, path, None if dtype == "stored" else dtype, sz, batches, not a.no_pyinstrument,
+                                 C.RESULTS))
     rows = []
     for r in out:
         for b, x in r["batches"].items():

@@ -17,7 +17,7 @@ from divergence.core.request import Request
 model = sys.argv[1] if len(sys.argv) > 1 else "qwen0.5b"
 cache = sys.argv[2] if len(sys.argv) > 2 else None
 tp, _, _ = C.fixture_paths()
-path = tp if model == "fixture" else C.qwen_path(tp, cache)
+path = C.model_path(model, tp, cache)
 t = C.load(path, os.environ.get("DTYPE", "bfloat16") if "4bit" not in model else None)
 ps = C.prompts(t.encode, 8, 16)
 out = {}
@@ -66,7 +66,7 @@ for B in (1, 8):
     print(f"B={B}: nodes engine {sum(he.values())} mlx-lm {sum(hm.values())}")
     keys = sorted(set(he) | set(hm), key=lambda k: -(he[k] + hm[k]))
     for k in keys:
-        if he[k] != hm[k]:
+        if he[k] != hm[k] or os.environ.get("ALL"):
             print(f"   {k:28s} engine {he[k]:5d}  mlx {hm[k]:5d}")
 
 # timing: async_eval time on the mlx-lm side
