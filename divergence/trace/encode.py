@@ -22,6 +22,7 @@ class Batch:
     items: dict = field(default_factory=dict)  # table -> list of event objects or Cols
     steps: int = 0  # StepEvents in this batch
     last: bool = False  # the closing hand-off: nothing follows it
+    write: bool = True  # write (and commit) everything encoded so far; False: encode only
 
     def add(self, table: str, item) -> None:
         lst = self.items.get(table)

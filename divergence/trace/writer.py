@@ -1,11 +1,13 @@
 """Streams engine events into an HDF5 trace (h5py, SWMR), off the engine's thread.
 
-On the engine thread an event costs one list append. Every FLUSH_SECONDS (or
-FLUSH_STEPS steps) the batch is handed to a flush thread, which turns it into
-record arrays (encode.py), appends each table with one write (layout.py: whole
-compressed chunks + a tail slot), flushes the file, then writes the commit record
-and flushes it: readers see whole flushes only, so a run killed with SIGKILL
-leaves a readable file holding every flushed step, marked incomplete
+On the engine thread an event costs one list append. Every ENCODE_STEPS steps the
+batch is handed to a flush thread, which turns it into record arrays (encode.py)
+at once, while the engine computes (MLX waits without the GIL), so closing a short
+run does not encode the whole run on the engine's time. Every FLUSH_SECONDS (or
+FLUSH_STEPS steps) the thread appends each table's encoded rows with one write
+(layout.py: whole compressed chunks + a tail slot), flushes the file, then writes
+the commit record and flushes it: readers see whole flushes only, so a run killed
+with SIGKILL leaves a readable file holding every flushed step, marked incomplete
 (`durable_steps` says how many are on disk).
 """
 from __future__ import annotations
@@ -28,9 +30,10 @@ from .h5lock import H5_LOCK
 
 FLUSH_SECONDS = 0.5
 FLUSH_STEPS = 256
+ENCODE_STEPS = 8  # steps per hand-off between writes: encoded on arrival, written at the next flush
 _OFFSETS = {"steps": ("slice_offset",), "slices": ("token_offset", "logit_offset"), "kv_writes": ("hash_offset",),
             "routing": ("choice_offset",)}
-QUEUE_BATCHES = 8  # hand-offs the flush thread may lag behind before the engine waits (bounded memory)
+QUEUE_BATCHES = 32  # hand-offs the flush thread may lag behind before the engine waits (bounded memory)
 
 
 class TraceWriter(Observer):
@@ -67,7 +70,10 @@ class TraceWriter(Observer):
         self.tables: dict[str, layout.TableFile] = {}
         self._req_index: dict[str, int] = {}
         self._batch = Batch()
-        self._last_handoff = 0.0
+        self._last_write = 0.0  # when the engine last asked for a write (perf_counter)
+        self._unwritten = 0  # steps handed off since then
+        self._encoded: dict[str, list[np.ndarray]] = {}  # encoded, not written yet (flush thread)
+        self._encoded_steps = 0
         self.durable_steps = 0  # steps on disk (set by the flush thread after each file flush)
         self._closing_steps = 0  # the closing hand-off's steps: on disk once close commits them
         self._started = False
@@ -96,7 +102,7 @@ class TraceWriter(Observer):
                                              kv_hash=self.kv_hash, codes=self.code_tables, widths=widths)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
         self._encoder = Encoder(dtypes, self._req_index, self.code_tables)
-        self._last_handoff = time.perf_counter()
+        self._last_write = time.perf_counter()
         self._started = True
         if self.background:  # the file is created on the flush thread too, while the engine starts
             self._queue = queue.Queue(QUEUE_BATCHES)
@@ -151,8 +157,10 @@ class TraceWriter(Observer):
         b.add("steps", e)
         b.steps += 1
         now = time.perf_counter()
-        if now - self._last_handoff >= FLUSH_SECONDS or b.steps >= FLUSH_STEPS:
+        if now - self._last_write >= FLUSH_SECONDS or self._unwritten + b.steps >= FLUSH_STEPS:
             self._handoff(wait=False)
+        elif b.steps >= ENCODE_STEPS:
+            self._handoff(wait=False, write=False)
 
     def flush(self) -> None:
         """Everything emitted so far is on disk when this returns."""
@@ -160,11 +168,15 @@ class TraceWriter(Observer):
             self._handoff(wait=True)
 
     # -- hand-off and the flush thread -----------------------------------------------------
-    def _handoff(self, *, wait: bool, last: bool = False) -> None:
+    def _handoff(self, *, wait: bool, last: bool = False, write: bool = True) -> None:
+        """write=False: only to be encoded; its rows are written with the next write."""
         self._raise_if_failed()
         batch, self._batch = self._batch, Batch()
-        batch.last = last
-        self._last_handoff = time.perf_counter()
+        batch.last, batch.write = last, write or last
+        if batch.write:
+            self._last_write, self._unwritten = time.perf_counter(), 0
+        else:
+            self._unwritten += batch.steps
         if self._queue is None:
             self._write(batch)
         else:
@@ -192,18 +204,22 @@ class TraceWriter(Observer):
                 q.task_done()
 
     def _write(self, batch: Batch) -> None:
-        if not batch.items:
+        for name, arrs in self._encoder.encode(batch).items():
+            self._encoded.setdefault(name, []).extend(arrs)
+        self._encoded_steps += batch.steps
+        if not batch.write or not self._encoded:
             return
-        records = self._encoder.encode(batch)
+        records, steps = self._encoded, self._encoded_steps
+        self._encoded, self._encoded_steps = {}, 0
         with H5_LOCK:
             for name, arrs in records.items():
                 self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
             if batch.last:  # close flushes and commits once, after finishing the tables
-                self._closing_steps = batch.steps
+                self._closing_steps = steps
                 return
             self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
             self._commit.write()
-        self.durable_steps += batch.steps
+        self.durable_steps += steps
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
