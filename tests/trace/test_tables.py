@@ -129,3 +129,21 @@ def test_widths_come_from_the_run(tmp_path):
         w.on_run_end(True)
     with h5py.File(p, "r") as f:
         assert f["tokens"].dtype["topk_ids"].shape == (3,)
+
+
+def test_table_storage_as_the_layout_promises(tmp_path):
+    """Bodies: chunked, shuffled, gzip level 1, growable; tails: two uncompressed slots of
+    a chunk's rows (layout.py makes them through h5py's low-level API)."""
+    p = tmp_path / "t.h5"
+    with TraceWriter(p, top_k=4) as w:
+        w.on_run_start(info())
+        w.on_run_end(True)
+    with h5py.File(p, "r") as f:
+        for name in S.TABLES:
+            body, tail = f[name], f[S.TAILS][name]
+            rows = max(16, S.CHUNK_BYTES // body.dtype.itemsize)
+            assert body.dtype == tail.dtype and body.dtype.names
+            assert (body.chunks, body.maxshape) == ((rows,), (None,))
+            assert (body.compression, body.compression_opts, body.shuffle) == ("gzip", 1, True)
+            assert tail.shape == (2, rows) and tail.compression is None and not tail.shuffle
+            assert tail.chunks == (1, max(1, rows // 8))
