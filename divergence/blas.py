@@ -13,6 +13,7 @@ import ctypes
 import os
 import platform
 import sys
+from contextlib import contextmanager
 
 ENV = "DIVERGENCE_BLAS"  # "reference" to keep MLX's bundled BLAS; or a path to a libblas
 CANDIDATES = (
@@ -21,7 +22,7 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 
-_state = {"blas": None}
+_state = {"blas": None, "lib": None}
 
 
 def _load() -> str:
@@ -36,9 +37,11 @@ def _load() -> str:
     for path in paths:
         if os.path.exists(path):
             try:
-                ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+                lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
             except OSError:
                 continue
+            if hasattr(lib, "openblas_get_num_threads") and hasattr(lib, "openblas_set_num_threads"):
+                _state["lib"] = lib
             return f"OpenBLAS ({os.path.realpath(path)})"
     return "reference BLAS bundled with MLX (no optimized BLAS found)"
 
@@ -51,3 +54,29 @@ def blas_in_use() -> str:
 
 
 blas_in_use()
+
+
+# OpenBLAS splits an fp32 matmul of 8 or more rows between its threads in a way that
+# changes the bits (measured, OpenBLAS 0.3.21: [8, 256] x [256, 704] and every larger shape
+# tried; one row is the same at any count). A trace records the count, and a replay runs
+# under it: else a replay on a machine with other cores is not the recording.
+def blas_threads() -> int | None:
+    """OpenBLAS's thread count in this process; None where another BLAS is in use."""
+    blas_in_use()
+    lib = _state["lib"]
+    return int(lib.openblas_get_num_threads()) if lib is not None else None
+
+
+@contextmanager
+def using_blas_threads(n: int | None):
+    """Run a block with OpenBLAS on n threads (None, or no OpenBLAS: as it is), then put
+    the count back."""
+    old = blas_threads()
+    if not n or old is None or int(n) == old:
+        yield
+        return
+    _state["lib"].openblas_set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        _state["lib"].openblas_set_num_threads(old)

@@ -15,6 +15,7 @@ import numpy as np
 
 # the confirmation logic lives in analysis.confirm (engine-free); its names stay importable here
 from .confirm import _owner, force_like_a, make_confirmer, make_replay_bisector  # noqa: F401
+from ..blas import using_blas_threads
 from ..core.names import BATCH_GENERATOR, LOGPROBS, REPLAYABLE_ENGINES
 from ..errors import PolicyError, ReplayError
 from .diff import DiffReport, diff_traces
@@ -179,8 +180,10 @@ class Replayer:
             sites += [TokenSite(int(st), req.id, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
         plans = list(trace.iter_plans())
         forced = with_recorded_attention(trace, plans, forced or {})
-        return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
-                            forced=forced, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
+        # under the recording's BLAS thread count: it is part of the fp32 numerics (blas.py)
+        with using_blas_threads((trace.meta.get("environment") or {}).get("blas_threads")):
+            return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
+                                forced=forced, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
 
     def replay_to_file(self, trace, out, *, forced=None) -> ReplayReport:
         from ..trace.reader import Trace

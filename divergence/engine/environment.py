@@ -10,7 +10,7 @@ def environment() -> dict:
     import mlx
 
     from .. import __version__
-    from ..blas import blas_in_use
+    from ..blas import blas_in_use, blas_threads
 
     try:
         import mlx_lm
@@ -29,6 +29,7 @@ def environment() -> dict:
         "device_name": _device_name(),
         # the CPU BLAS MLX's CPU ops use (on a GPU backend: only CPU-side ops use it)
         "blas": blas_in_use(),
+        "blas_threads": blas_threads(),  # OpenBLAS's thread count changes fp32 bits (blas.py)
     }
 
 
