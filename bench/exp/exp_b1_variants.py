@@ -1,7 +1,8 @@
 """B=1 decode on a GPU (issue 13, round 6): where the engine's extra host time goes.
 Variants of the engine, interleaved with generate_step, median ms/step:
-  default; no_topk (no top-k on the device, no token events); no_cache_roots (async_eval
-  without the K/V pools as extra roots); no_overlap.
+  default; top_k=1; no_topk (no top-k on the device, no token events); no_cache_roots
+  (async_eval without the K/V pools as extra roots); no_overlap.
+(Round 5's `exp_b1.py`, default and top_k=1 only, is folded in here.)
     python bench/exp/exp_b1_variants.py qwen0.5b-4bit /root/mc
 """
 import contextlib, os, statistics, sys, time, types
@@ -79,6 +80,7 @@ def no_cache_roots():
 
 
 E = {"default": (Engine(t, policy="native", stop_at_eos=False), contextlib.nullcontext),
+     "top_k=1": (Engine(t, policy="native", stop_at_eos=False, top_k=1), contextlib.nullcontext),
      "no_topk": (Engine(t, policy="native", stop_at_eos=False), no_topk),
      "no_cache_roots": (Engine(t, policy="native", stop_at_eos=False), no_cache_roots),
      "no_overlap": (Engine(t, policy="native", stop_at_eos=False, overlap=False), contextlib.nullcontext)}
