@@ -111,6 +111,9 @@ class DiffReport:
     incomplete: list[str] = field(default_factory=list)  # paths of traces that did not complete
     bitwise: bool = False  # logit-only differences count as divergences
     tp_degrees: tuple = (1, 1)  # tensor-parallel degree of each trace
+    # environment keys whose values differ between the traces (key -> [a, b]): another
+    # device, BLAS or thread count changes numerics on its own, whatever the schedules
+    environment: dict = field(default_factory=dict)
 
     @property
     def identical(self) -> bool:
@@ -123,6 +126,7 @@ class DiffReport:
     def to_json(self) -> dict:
         return {"identical": self.identical, "a": self.path_a, "b": self.path_b, "bitwise": self.bitwise,
                 "tp_degrees": list(self.tp_degrees), "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
+                "environment_differs": {k: list(v) for k, v in self.environment.items()},
                 "requests": [r.to_json() for r in self.requests]}
 
 
@@ -267,7 +271,17 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
     return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
-                      bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree))
+                      bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree), environment=environment_differs(a, b))
+
+
+# What a run's environment says that changes its numbers (versions and platform aside).
+NUMERIC_ENVIRONMENT = ("backend", "device", "device_name", "blas", "blas_threads", "mlx")
+
+
+def environment_differs(a, b) -> dict:
+    """key -> (a's, b's) for the NUMERIC_ENVIRONMENT keys both traces record and disagree on."""
+    ea, eb = (t.meta.get("environment") or {} for t in (a, b))
+    return {k: (ea[k], eb[k]) for k in NUMERIC_ENVIRONMENT if k in ea and k in eb and ea[k] != eb[k]}
 
 
 def _label(trace) -> str:

@@ -175,8 +175,15 @@ def _tp_note(d: DiffReport) -> list[str]:
             f"1/{max(da, db)} of their features; o_proj / down_proj partial sums are added by an all-reduce)"]
 
 
+def _environment_note(d: DiffReport) -> list[str]:
+    if not d.environment:
+        return []
+    what = ", ".join(f"{k} {a} vs {b}" for k, (a, b) in d.environment.items())
+    return [f"note: the runs' environments differ ({what}): that alone changes numbers, whatever the schedules"]
+
+
 def render_diff(d: DiffReport, vocab=None) -> str:
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d)
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
     for p in d.incomplete:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
@@ -187,7 +194,7 @@ def render_diff(d: DiffReport, vocab=None) -> str:
 
 def render_bisect(b: BisectReport, vocab=None) -> str:
     d = b.diff
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d)
+    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
     if b.mode != "kv-hashes":
         lines.append(f"note: bisect mode: {b.mode}")
     for p in d.incomplete:

@@ -57,3 +57,19 @@ def test_the_thread_count_changes_the_bits(one_thread_trace, tmp_path):
     with Trace.open(lied) as t:
         rep = Replayer().replay_to_file(t, tmp_path / "replayed.h5")
     assert not rep.logits_equal
+
+
+def test_diff_names_an_environment_that_differs(one_thread_trace, tmp_path, capsys):
+    other = tmp_path / "other.h5"
+    shutil.copy(one_thread_trace, other)
+    with h5py.File(other, "r+") as f:
+        env = json.loads(f["meta"].attrs["environment"])
+        env["blas_threads"] = 4
+        f["meta"].attrs["environment"] = json.dumps(env)
+    capsys.readouterr()
+    assert main(["diff", str(one_thread_trace), str(other), "--json"]) == 0  # the same tokens: identical
+    assert json.loads(capsys.readouterr().out)["environment_differs"] == {"blas_threads": [1, 4]}
+    main(["diff", str(one_thread_trace), str(other)])
+    assert "environments differ (blas_threads 1 vs 4)" in capsys.readouterr().out
+    assert main(["diff", str(one_thread_trace), str(one_thread_trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["environment_differs"] == {}
