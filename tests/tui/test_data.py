@@ -135,3 +135,16 @@ def test_step_list_names_the_attention_kernel(target, tmp_path):
         idx.load_kernels()
         attn = [idx.row(r).kernels["attn"] for r in range(len(idx))]
     assert any(a.startswith("batched") for a in attn) and any(a.startswith("per-seq") for a in attn), attn
+
+
+def test_overview_shows_the_blas_thread_count():
+    from types import SimpleNamespace
+
+    from divergence.tui.data.overview import meta_rows
+
+    def trace(env):
+        meta = {"schedule": "serial", "policy": "native", "model": {"path": "/m/target"}, "draft": None,
+                "settings": {}, "environment": env}
+        return SimpleNamespace(meta=meta, tp_degree=1)
+    rows = dict(meta_rows([trace({"blas": "OpenBLAS", "blas_threads": 2}), trace({"blas": "OpenBLAS"})]))
+    assert rows["BLAS"] == ["OpenBLAS · 2 threads", "OpenBLAS"]

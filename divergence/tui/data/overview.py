@@ -77,10 +77,16 @@ def meta_rows(traces) -> list[tuple[str, list[str]]]:
         add("tensor parallel", lambda m: _tp(m["settings"].get("tp")))
     add("versions", lambda m: f"mlx {env(m).get('mlx', '?')} · mlx-lm {env(m).get('mlx_lm', '?')}")
     add("device", lambda m: env(m).get("device"))
-    add("BLAS", lambda m: env(m).get("blas"))
+    add("BLAS", lambda m: _blas(env(m)))
     add("created", lambda m: str(m.get("created", ""))[:19].replace("T", " "))
     add("completed", lambda m: "yes" if m.get("completed") else "NO (killed or still running)")
     return rows
+
+
+def _blas(env: dict) -> str | None:
+    """The BLAS and, where recorded, its thread count (it changes fp32 bits: divergence/blas.py)."""
+    n = env.get("blas_threads")
+    return env.get("blas") if n is None else f"{env.get('blas')} · {n} thread{'s' if n != 1 else ''}"
 
 
 def _tp(tp) -> str:
