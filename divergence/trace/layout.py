@@ -30,13 +30,13 @@ class TableFile:
     once, never rewritten) and the rows after it in one of two uncompressed tail slots,
     overwritten in place; the commit record says which slot holds how many."""
 
-    def __init__(self, body: h5py.Dataset, tail: h5py.Dataset, rows: int | None = None, dtype=None):
-        """rows, dtype: the body's chunk rows and record dtype, when the caller knows them
-        (h5py's property reads cost ~50 us each, on the engine's time at run start)."""
+    def __init__(self, body: h5py.Dataset, tail: h5py.Dataset, rows: int, dtype: np.dtype):
+        """rows, dtype: the body's chunk rows and record dtype, as create() made it (reading
+        them back from h5py costs ~50 us each, on the engine's time at run start)."""
         self.body, self.tail_ds = body, tail
-        self.rows = rows or body.chunks[0]
+        self.rows = rows
         self.nb = 0  # rows in the body
-        self.tail = np.empty(0, body.dtype if dtype is None else dtype)  # rows after it (fewer than one chunk)
+        self.tail = np.empty(0, dtype)  # rows after it (fewer than one chunk)
         self.slot = 0  # the tail slot the last commit named
 
     def append(self, records: np.ndarray, *, last: bool = False) -> None:
@@ -90,8 +90,9 @@ class Commit:
 
 
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
-           widths: dict) -> tuple[h5py.File, dict, dict]:
-    """A new trace file in SWMR mode with every table created: (file, tables, dtypes, commit).
+           widths: dict, dtypes: dict[str, np.dtype]) -> tuple[h5py.File, dict, "Commit"]:
+    """A new trace file in SWMR mode with every table created, of the record `dtypes` the
+    writer encodes into (schema.record_dtype at `widths`): (file, tables, commit).
     Made under a temporary name and renamed once in SWMR mode, so that a reader never
     opens it half made (HDF5 refuses that file with a lock error)."""
     tmp = path.with_name(path.name + ".new")
@@ -125,10 +126,10 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
             offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
             for name, data in (("bytes", raw), ("offsets", offsets)):  # ~2.5 MB raw for a 152k vocabulary
                 g.create_dataset(name, data=data, chunks=(max(1, min(len(data), 1 << 16)),), **S.COMPRESSION)
-        tables, dtypes = {}, {}
+        tables = {}
         tails = f.create_group(S.TAILS)
-        for name, t in S.TABLES.items():
-            dt = dtypes[name] = S.record_dtype(t, widths)
+        for name in S.TABLES:
+            dt = dtypes[name]
             rows = max(16, S.CHUNK_BYTES // dt.itemsize)
             tid = h5py.h5t.py_create(dt, logical=True)
             body = _dataset(f, name, tid, (0,), (h5py.h5s.UNLIMITED,), (rows,), compress=True)
@@ -150,7 +151,7 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         f.close()
         tmp.unlink(missing_ok=True)
         raise
-    return f, tables, dtypes, commit
+    return f, tables, commit
 
 
 def _dataset(parent: h5py.Group, name: str, tid, shape, maxshape, chunks, *, compress: bool) -> h5py.Dataset:

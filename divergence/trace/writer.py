@@ -99,7 +99,8 @@ class TraceWriter(Observer):
                 widths.setdefault(key, v)
         dtypes = {name: S.record_dtype(t, widths) for name, t in S.TABLES.items()}
         self._create = lambda: layout.create(self.path, info, top_k=self.top_k, kv_hashes=self.wants_kv_hashes,
-                                             kv_hash=self.kv_hash, codes=self.code_tables, widths=widths)
+                                             kv_hash=self.kv_hash, codes=self.code_tables, widths=widths,
+                                             dtypes=dtypes)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
         self._encoder = Encoder(dtypes, self._req_index, self.code_tables)
         self._last_write = time.perf_counter()
@@ -114,7 +115,7 @@ class TraceWriter(Observer):
 
     def _open(self) -> None:
         with H5_LOCK:
-            self.f, self.tables, _, self._commit = self._create()
+            self.f, self.tables, self._commit = self._create()
 
     # -- events: one list append each on the engine thread ------------------------------
     def on_kernel(self, c: KernelChoice) -> None:
