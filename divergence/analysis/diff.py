@@ -271,7 +271,8 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
     return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
-                      bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree), environment=environment_differs(a, b))
+                      bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree),
+                      environment=environment_differs(a, b))
 
 
 # What a run's environment says that changes its numbers (versions and platform aside).

@@ -34,14 +34,14 @@ from .kernels import LinearOp
 
 PROBE_ROWS = 32  # rows whose outputs make the signature (at most)
 PROBE_VALUES = PROBE_ROWS * 8192  # output values enough to show a kernel switch
+PROBE_POOL_ROWS = 64  # distinct random input rows, tiled for calls of more rows
+PROBE_SEED = 7
 
 
 def probe_rows(n: int) -> int:
     """Rows whose outputs make the signature of an op of n columns: enough for PROBE_VALUES
     values. The same rows at every row count M, or signatures of one kernel would differ."""
     return max(1, min(PROBE_ROWS, -(-PROBE_VALUES // max(n, 1))))
-PROBE_POOL_ROWS = 64  # distinct random input rows, tiled for calls of more rows
-PROBE_SEED = 7
 
 
 class NativeClassProbe:

@@ -267,7 +267,8 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
     contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
     ragged = len(out_rows) != B * Q
     return BatchedAttention(
-        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab), mask=None if mask.all() and not keep_mask else mx.array(mask),
+        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab),
+        mask=None if mask.all() and not keep_mask else mx.array(mask),
         q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
         out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
         left_slots=None if left is None else mx.array(left.reshape(-1)),

@@ -36,6 +36,16 @@ def one_thread_trace(tmp_path_factory):
     return out / "concurrent.h5"
 
 
+def _told_threads(src, dst, n: int):
+    """A copy of the trace at `src` whose environment says it ran on n BLAS threads."""
+    shutil.copy(src, dst)
+    with h5py.File(dst, "r+") as f:
+        env = json.loads(f["meta"].attrs["environment"])
+        env["blas_threads"] = n
+        f["meta"].attrs["environment"] = json.dumps(env)
+    return dst
+
+
 def test_replay_runs_under_the_recorded_thread_count(one_thread_trace, tmp_path, capsys):
     capsys.readouterr()
     with Trace.open(one_thread_trace) as t:
@@ -48,24 +58,14 @@ def test_replay_runs_under_the_recorded_thread_count(one_thread_trace, tmp_path,
 def test_the_thread_count_changes_the_bits(one_thread_trace, tmp_path):
     """The control: told the recording ran on this process's thread count, the replay
     computes the batched steps another way and its logits differ."""
-    lied = tmp_path / "lied.h5"
-    shutil.copy(one_thread_trace, lied)
-    with h5py.File(lied, "r+") as f:
-        env = json.loads(f["meta"].attrs["environment"])
-        env["blas_threads"] = blas_threads()
-        f["meta"].attrs["environment"] = json.dumps(env)
+    lied = _told_threads(one_thread_trace, tmp_path / "lied.h5", blas_threads())
     with Trace.open(lied) as t:
         rep = Replayer().replay_to_file(t, tmp_path / "replayed.h5")
     assert not rep.logits_equal
 
 
 def test_diff_names_an_environment_that_differs(one_thread_trace, tmp_path, capsys):
-    other = tmp_path / "other.h5"
-    shutil.copy(one_thread_trace, other)
-    with h5py.File(other, "r+") as f:
-        env = json.loads(f["meta"].attrs["environment"])
-        env["blas_threads"] = 4
-        f["meta"].attrs["environment"] = json.dumps(env)
+    other = _told_threads(one_thread_trace, tmp_path / "other.h5", 4)
     capsys.readouterr()
     assert main(["diff", str(one_thread_trace), str(other), "--json"]) == 0  # the same tokens: identical
     assert json.loads(capsys.readouterr().out)["environment_differs"] == {"blas_threads": [1, 4]}
