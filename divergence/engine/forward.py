@@ -29,6 +29,7 @@ from .model import LoadedModel
 from .moe import LayerRouting, moe_module
 from .native_classes import AttentionClassProbe, NativeClassProbe
 from .prepared import PreparedStep, batchable_count, prepare_step
+from .rotary import StepRotation, fallback_in_use, shared_rope
 
 # RoPE modules whose offset may be a vector (one position per row): one call for the
 # whole step. Others (dynamic NTK scaling reads the offset as a number) go slice by slice.
@@ -70,6 +71,7 @@ class PackedForward:
         self.scale = attn0.scale
         self.has_qk_norm = hasattr(attn0, "q_norm")
         self.vector_rope = all(isinstance(layer.self_attn.rope, _VECTOR_ROPE) for layer in self.blocks)
+        self.shared_rope = shared_rope([layer.self_attn.rope for layer in self.blocks])
         self.dtype = self.inner.norm.weight.dtype
         # memos of the native kernels' class signatures, shared by every run of this forward
         self.native_classes = NativeClassProbe()
@@ -112,6 +114,7 @@ class PackedForward:
         k_layers, v_layers = [], []
         routing = [] if keep_routing else None
         h = self.inner.embed_tokens(prep.tokens)
+        rotation = self._rotation(prep)
         for li, layer in enumerate(self.blocks):
             attn, ops = layer.self_attn, self.ops[li]
             x = layer.input_layernorm(h)
@@ -127,7 +130,8 @@ class PackedForward:
                 if tap is not None:
                     tap(li, "q_norm", q)
                     tap(li, "k_norm", k)
-            q, k = self._rope(attn.rope, q, prep), self._rope(attn.rope, k, prep)  # [T, heads, 1, hd]
+            q = self._rope(attn.rope, q, prep, rotation)  # [T, heads, 1, hd]
+            k = self._rope(attn.rope, k, prep, rotation)
             k = k.reshape(T, KV, hd)
             if tap is not None:
                 tap(li, "q_rope", q.reshape(T, H, hd))
@@ -167,9 +171,17 @@ class PackedForward:
             return StepOutput(logits, k_all, v_all, routing)
         return StepOutput(logits, routing=routing)
 
-    def _rope(self, rope, x: mx.array, prep: PreparedStep) -> mx.array:
+    def _rotation(self, prep: PreparedStep) -> StepRotation | None:
+        """The step's cos / sin, once for all layers, where RoPE is MLX's CPU fallback (rotary.py)."""
+        if self.shared_rope is None or not fallback_in_use():
+            return None
+        return StepRotation(self.shared_rope, prep.positions, self.dtype)
+
+    def _rope(self, rope, x: mx.array, prep: PreparedStep, rotation: StepRotation | None) -> mx.array:
         """[T, heads, hd] -> [T, heads, 1, hd] at each row's own position."""
         T, n, hd = x.shape
+        if rotation is not None and x.dtype == self.dtype:
+            return rotation.rotate(x.reshape(T, n, 1, hd))
         if T == 1:  # one row (a B=1 decode): a number offset, as mlx-lm's own call
             return rope(x.reshape(1, n, 1, hd), offset=prep.plan.slices[0].start)
         if self.vector_rope:

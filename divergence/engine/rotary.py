@@ -1,0 +1,72 @@
+"""RoPE on the CPU stream, with a step's cos / sin made once for all its layers.
+
+On the CPU stream `mx.fast.rope` has no kernel: each call builds MLX's fallback graph,
+about 25 ops. Two thirds of them (positions, inverse frequencies, theta, cos, sin and
+their casts) depend only on the rows' positions, which every q and k of every layer of
+a step share: a decode step of a 4-layer model built that part 8 times, a fifth of the
+step's graph on the fixture. Each op is a dispatch on the CPU stream, and at small
+shapes the dispatches are the step's time.
+
+`StepRotation` builds the cos / sin rows once per step, by running the layer's own RoPE
+module on a unit vector (first half ones, second half zeros): the rotation of
+(1, 0) is (cos, sin), with one exact multiply by 1 and an exact add of a zero, so the
+table holds the fallback's own cos / sin in the model dtype, whatever its frequency
+scheme. `rotate` then runs the rest of the fallback, the same elementwise ops in the
+same order and dtype, so the result is the fallback's bit for bit (test_rotary.py;
+the reference tests compare whole forwards with mlx-lm's).
+
+Only where the fallback is what would run (the CPU stream) and only for RoPE modules
+that are a plain `mx.fast.rope` call, non-traditional, configured alike in every layer;
+anywhere else `shared_rope` answers None and the forward calls the module per layer.
+"""
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import rope_utils
+
+# modules whose __call__ is exactly mx.fast.rope(x, dims, traditional, base / freqs, scale, offset):
+# no scaling of x before or after (YarnRoPE's mscale, SuScaledRoPE's), no position-dependent base
+_PLAIN_ROPE = tuple(c for c in (nn.RoPE, getattr(rope_utils, "Llama3RoPE", None)) if c is not None)
+
+
+def _config(rope) -> tuple | None:
+    if type(rope) not in _PLAIN_ROPE or getattr(rope, "traditional", True):
+        return None
+    freqs = getattr(rope, "_freqs", None)
+    return (type(rope), rope.dims, getattr(rope, "base", None), getattr(rope, "scale", None),
+            None if freqs is None else tuple(freqs.tolist()))
+
+
+def shared_rope(ropes: list) -> nn.Module | None:
+    """The one RoPE configuration every layer uses, if StepRotation can stand in for it."""
+    configs = {_config(r) for r in ropes}
+    if len(configs) != 1 or None in configs:
+        return None
+    return ropes[0]
+
+
+def fallback_in_use() -> bool:
+    """Whether mx.fast.rope builds its op-by-op fallback here: on the CPU stream."""
+    return mx.default_device() == mx.cpu
+
+
+class StepRotation:
+    """The cos / sin of one step's rows ([T, 1, 1, dims / 2] each) and the rotation that uses them."""
+
+    def __init__(self, rope: nn.Module, positions: mx.array, dtype: mx.Dtype):
+        self.dims = rope.dims
+        half = self.dims // 2
+        T = positions.shape[0]
+        unit = mx.concatenate([mx.ones((half,), dtype), mx.zeros((self.dims - half,), dtype)])
+        cos_sin = rope(mx.broadcast_to(unit, (T, 1, 1, self.dims)), offset=positions)
+        self.cos, self.sin = cos_sin[..., :half], cos_sin[..., half:]
+
+    def rotate(self, x: mx.array) -> mx.array:
+        """x [T, heads, 1, hd] -> rotated, as mx.fast.rope's fallback computes it."""
+        half, dims = self.dims // 2, self.dims
+        x1, x2 = x[..., :half], x[..., half:dims]
+        parts = [x1 * self.cos - x2 * self.sin, x1 * self.sin + x2 * self.cos]
+        if dims < x.shape[-1]:
+            parts.append(x[..., dims:])
+        return mx.concatenate(parts, axis=-1)
