@@ -124,14 +124,14 @@ class PackedForward:
                 tap(li, "q_proj", q)
                 tap(li, "k_proj", k)
                 tap(li, "v_proj", v)
-            q, k, v = q.reshape(T, H, hd), k.reshape(T, KV, hd), v.reshape(T, KV, hd)
-            if self.has_qk_norm:
+            # [T, heads, 1, hd]: the layout RoPE and attention take, in one reshape
+            q, k, v = q.reshape(T, H, 1, hd), k.reshape(T, KV, 1, hd), v.reshape(T, KV, hd)
+            if self.has_qk_norm:  # over the last axis: the same bits in either layout
                 q, k = attn.q_norm(q), attn.k_norm(k)
                 if tap is not None:
-                    tap(li, "q_norm", q)
-                    tap(li, "k_norm", k)
-            q = self._rope(attn.rope, q, prep, rotation)  # [T, heads, 1, hd]
-            k = self._rope(attn.rope, k, prep, rotation)
+                    tap(li, "q_norm", q.reshape(T, H, hd))
+                    tap(li, "k_norm", k.reshape(T, KV, hd))
+            q, k = self._rope(attn.rope, q, prep, rotation), self._rope(attn.rope, k, prep, rotation)
             k = k.reshape(T, KV, hd)
             if tap is not None:
                 tap(li, "q_rope", q.reshape(T, H, hd))
@@ -178,14 +178,15 @@ class PackedForward:
         return StepRotation(self.shared_rope, prep.positions, self.dtype)
 
     def _rope(self, rope, x: mx.array, prep: PreparedStep, rotation: StepRotation | None) -> mx.array:
-        """[T, heads, hd] -> [T, heads, 1, hd] at each row's own position."""
-        T, n, hd = x.shape
+        """x [T, heads, 1, hd] at each row's own position."""
         if rotation is not None and x.dtype == self.dtype:
-            return rotation.rotate(x.reshape(T, n, 1, hd))
-        if T == 1:  # one row (a B=1 decode): a number offset, as mlx-lm's own call
-            return rope(x.reshape(1, n, 1, hd), offset=prep.plan.slices[0].start)
+            return rotation.rotate(x)
+        if x.shape[0] == 1:  # one row (a B=1 decode): a number offset, as mlx-lm's own call
+            return rope(x, offset=prep.plan.slices[0].start)
         if self.vector_rope:
-            return rope(x.reshape(T, n, 1, hd), offset=prep.positions)
+            return rope(x, offset=prep.positions)
+        T, n, _, hd = x.shape
+        x = x.reshape(T, n, hd)
         parts = []
         n = T // len(prep.plan.slices) if prep.real_rows is not None else 0  # padded: n rows per slice
         for i, s in enumerate(prep.plan.slices):  # one call per slice, the offset a number

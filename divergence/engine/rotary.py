@@ -61,12 +61,19 @@ class StepRotation:
         unit = mx.concatenate([mx.ones((half,), dtype), mx.zeros((self.dims - half,), dtype)])
         cos_sin = rope(mx.broadcast_to(unit, (T, 1, 1, self.dims)), offset=positions)
         self.cos, self.sin = cos_sin[..., :half], cos_sin[..., half:]
+        # broadcast once per head count (q's, k's): the fallback broadcasts them in each of
+        # its four products, in every call (the same values either way)
+        self._wide: dict[int, tuple[mx.array, mx.array]] = {}
 
     def rotate(self, x: mx.array) -> mx.array:
         """x [T, heads, 1, hd] -> rotated, as mx.fast.rope's fallback computes it."""
         half, dims = self.dims // 2, self.dims
         x1, x2 = x[..., :half], x[..., half:dims]
-        parts = [x1 * self.cos - x2 * self.sin, x1 * self.sin + x2 * self.cos]
+        wide = self._wide.get(x1.shape[1])
+        if wide is None:
+            wide = self._wide[x1.shape[1]] = (mx.broadcast_to(self.cos, x1.shape), mx.broadcast_to(self.sin, x1.shape))
+        cos, sin = wide
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
         if dims < x.shape[-1]:
             parts.append(x[..., dims:])
         return mx.concatenate(parts, axis=-1)
