@@ -175,7 +175,7 @@ def to_host(ds: DeviceSample) -> Sampled:
         out.top_ids = np.take_along_axis(part, order, axis=-1)
         out.top_vals = np.take_along_axis(vals, order, axis=-1)
         out.chosen = float32(ds.chosen)[:, 0]
-    if ds.lse is not None:
+    if ds.packed is None and ds.lse is not None:  # (packed: it came in the one copy)
         out.lse = np.array(ds.lse)
     if ds.full is not None:
         full = np.array(ds.full)
