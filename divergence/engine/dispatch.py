@@ -96,7 +96,7 @@ class KernelDispatcher:
         out = attention.attend(prep, layer, q, cache, scale)
         if self.emit is not None:
             if layer == 0:
-                self._attn_sig = self._attention_signature(prep, q, cache.k[layer].shape[0])
+                self._attn_sig = self._attention_signature(prep, q, cache.kv_heads)
             T = prep.attended_rows
             self.emit(KernelChoice(self._step, self.model, layer, ATTENTION, T, prep.kernel, T, len(prep.kv_lens),
                                    max(prep.kv_lens), 1, self._attn_sig, kv_min=min(prep.kv_lens)))

@@ -124,18 +124,19 @@ class PackedForward:
                 tap(li, "q_proj", q)
                 tap(li, "k_proj", k)
                 tap(li, "v_proj", v)
-            # [T, heads, 1, hd]: the layout RoPE and attention take, in one reshape
-            q, k, v = q.reshape(T, H, 1, hd), k.reshape(T, KV, 1, hd), v.reshape(T, KV, hd)
+            # [T, heads, 1, hd]: the layout RoPE and attention take, in one reshape; v as the
+            # cache's write takes it with no further reshape (slice update / scatter)
+            q, k = q.reshape(T, H, 1, hd), k.reshape(T, KV, 1, hd)
+            v = v.reshape(T, KV, 1, hd) if prep.write_start is not None else v.reshape(T, KV, hd)
             if self.has_qk_norm:  # over the last axis: the same bits in either layout
                 q, k = attn.q_norm(q), attn.k_norm(k)
                 if tap is not None:
                     tap(li, "q_norm", q.reshape(T, H, hd))
                     tap(li, "k_norm", k.reshape(T, KV, hd))
             q, k = self._rope(attn.rope, q, prep, rotation), self._rope(attn.rope, k, prep, rotation)
-            k = k.reshape(T, KV, hd)
             if tap is not None:
                 tap(li, "q_rope", q.reshape(T, H, hd))
-                tap(li, "k_rope", k)
+                tap(li, "k_rope", k.reshape(T, KV, hd))
             cache.write(li, prep.write_slots, k, v, start=prep.write_start)
             if keep_kv:
                 k_layers.append(k)
@@ -164,8 +165,9 @@ class PackedForward:
             logits = mx.zeros((0, self.head.n), dtype=self.dtype)
         if real is not None and routing:
             routing = [LayerRouting(r.layer, r.experts[real], r.ranked[real], r.gate_input[real]) for r in routing]
-        if keep_kv:
-            k_all, v_all = mx.stack(k_layers), mx.stack(v_layers)
+        if keep_kv:  # [layers, T, KV, 1, hd] -> [layers, T, KV, hd]
+            k_all = mx.stack(k_layers).reshape(self.num_layers, T, KV, hd)
+            v_all = mx.stack(v_layers).reshape(self.num_layers, T, KV, hd)
             if real is not None:
                 k_all, v_all = k_all[:, real], v_all[:, real]
             return StepOutput(logits, k_all, v_all, routing)

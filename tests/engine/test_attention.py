@@ -167,7 +167,7 @@ def test_padded_lays_rows_out_as_a_right_padded_batch():
     slots, toks = np.asarray(prep.write_slots), np.asarray(prep.tokens)
     pad = np.setdiff1d(np.arange(B * n), real)
     assert (slots[pad] == blocks.num_blocks * BS).all() and (toks[pad] == 0).all()
-    assert cache.k[0].shape[1] >= (blocks.num_blocks + 1) * BS  # the spare block exists
+    assert cache.k[0].shape[2] >= (blocks.num_blocks + 1) * BS  # the spare block exists
     assert np.asarray(prep.logit_index).tolist() == [b * n + lr for b, s in enumerate(plan.slices)
                                                      for lr in s.logit_rows]
 

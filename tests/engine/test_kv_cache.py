@@ -72,3 +72,25 @@ def test_write_is_in_place_not_a_whole_cache_copy():
     assert grew < pool_bytes // 4, f"writing 20 single tokens allocated {grew} bytes (a pool is {pool_bytes})"
     k, _ = cache.read(0, mx.array(np.array([3, 19], dtype=np.int32)))
     np.testing.assert_array_equal(np.asarray(k)[:, 0, 0], [3, 19])
+
+
+@pytest.mark.parametrize("rope_layout", [False, True], ids=["rows", "rope-layout"])
+def test_writes_land_in_their_slots_by_scatter_and_by_slice(rope_layout):
+    """Both write paths, from [n, kv, hd] rows or the forward's [n, kv, 1, hd], against a
+    numpy pool: every written slot holds its row, every other slot stays zero."""
+    bs, kv, hd = 4, 2, 8
+    cache = PagedKVCache(1, 6, bs, kv, hd, mx.float32)
+    want = np.zeros((kv, cache.num_blocks * bs, hd), np.float32)
+    rng = np.random.default_rng(1)
+    for slots, start in (([2, 9, 13, 22], None), ([5, 6, 7, 8, 9], 5), ([0], 0), ([17], None)):
+        rows = rng.standard_normal((len(slots), kv, hd)).astype(np.float32)
+        x = mx.array(rows[:, :, None] if rope_layout else rows)
+        cache.write(0, mx.array(np.array(slots, np.int32)), x, -x, start=start)
+        want[:, slots] = rows.swapaxes(0, 1)
+    mx.eval(cache.arrays())
+    np.testing.assert_array_equal(np.asarray(cache.k[0])[0], want)
+    np.testing.assert_array_equal(np.asarray(cache.v[0])[0], -want)
+    k, v = cache.gather(0, mx.array([1, 2], dtype=mx.int32), 7)  # by block: slots 4..10
+    np.testing.assert_array_equal(np.asarray(k)[0], want[:, 4:11])
+    k, _ = cache.gather(0, None, 6, first_slot=4)  # consecutive blocks: a slice of the pool
+    np.testing.assert_array_equal(np.asarray(k)[0], want[:, 4:10])
