@@ -6,7 +6,8 @@
 Per model and dtype, every repetition runs the same 8 requests (concurrent, all
 arriving at step 0: B=8 decode) in each variant, the order rotating per repetition:
 
-* `untraced`: no observer (the engine skips top-k, KV hashing and kernel events);
+* `untraced`: no observer (the engine skips KV hashing and kernel events; the top-k,
+  which every RequestOutput carries, it computes either way);
 * `events`: an observer that asks for everything and drops it (the engine's own
   cost of producing trace events, no writer);
 * `v2`: this package's TraceWriter (schema 2: flush thread, compound tables);
