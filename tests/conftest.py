@@ -2,6 +2,7 @@
 tiny random-weight models of the other families."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -49,7 +50,7 @@ def random_model(tmp_path_factory):
     made = {}
 
     def make(model_type="llama", **kw):
-        key = (model_type, tuple(sorted(kw.items())))
+        key = (model_type, json.dumps(kw, sort_keys=True))  # (kw may hold dicts: extra_config)
         if key not in made:
             path = tmp_path_factory.mktemp(f"rand-{model_type}")
             made[key] = load_model(make_random_model(path, model_type=model_type, **kw))

@@ -42,12 +42,14 @@ def make_random_model(
     experts_per_token: int = 2,
     moe_intermediate_size: int | None = None,
     planted_tie: tuple | None = None,
+    extra_config: dict | None = None,
 ) -> Path:
     """Write a random mlx-lm model directory; the tokenizer is copied from `tokenizer_from`
     (a model directory; default: the embedded fixture target). MoE families get
     `num_experts` experts, `experts_per_token` of them per token; `planted_tie`
     = (layer, eps) makes that layer's router rows equal up to eps * noise, so its gate
-    values stay near-tied on every token (routing flips at the kernels' rounding)."""
+    values stay near-tied on every token (routing flips at the kernels' rounding).
+    `extra_config`: more config.json keys (e.g. a `rope_scaling`), over the defaults."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -82,6 +84,7 @@ def make_random_model(
                       moe_intermediate_size=moe_intermediate_size or intermediate_size)
     elif model_type == "mixtral":
         config.update(num_local_experts=num_experts, num_experts_per_tok=experts_per_token)
+    config.update(extra_config or {})
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(config)
     model = model_cls(args_cls.from_dict(config))

@@ -51,6 +51,29 @@ def test_random_families_match_mlx_lm(random_model, prompts, family):
     check_against_mlx_lm(loaded, prompts)
 
 
+ROPE_VARIANTS = {  # llama configs whose RoPE module differs (engine/rotary.py stands in for some on the CPU)
+    "llama3-scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    "linear-scaling": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "traditional": {"rope_traditional": True},
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    "dynamic-ntk": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+}
+
+
+SHARED_ON_CPU = {"llama3-scaling", "linear-scaling"}  # the plain mx.fast.rope calls
+
+
+@pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
+def test_rope_variants_match_mlx_lm(random_model, prompts, variant):
+    from divergence.engine.rotary import shared_rope
+
+    loaded = random_model("llama", hidden_size=64, extra_config=ROPE_VARIANTS[variant])
+    ropes = [layer.self_attn.rope for layer in loaded.model.layers]
+    assert (shared_rope(ropes) is not None) == (variant in SHARED_ON_CPU), type(ropes[0]).__name__
+    check_against_mlx_lm(loaded, prompts, n=24)
+
+
 def test_fp32_override_matches_mlx_lm(prompts):
     from divergence.engine.model import load_model
     from divergence.fixtures import TARGET
