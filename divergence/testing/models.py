@@ -22,6 +22,18 @@ BASE_CONFIGS = {
 MOE_TYPES = ("qwen3_moe", "mixtral")
 
 
+# llama config keys that give other RoPE modules (engine/rotary.py stands in for the plain
+# ones on the CPU): for make_random_model's extra_config
+ROPE_VARIANTS = {
+    "llama3-scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    "linear-scaling": {"rope_scaling": {"type": "linear", "factor": 2.0}},
+    "traditional": {"rope_traditional": True},
+    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
+    "dynamic-ntk": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+}
+
+
 def make_random_model(
     path,
     *,

@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 
 from divergence.engine.engine import Engine
 from divergence.core.request import Request
+from divergence.testing.models import ROPE_VARIANTS
 
 N_TOKENS = 48
 
@@ -49,16 +50,6 @@ def test_random_families_match_mlx_lm(random_model, prompts, family):
     if family == "qwen3":
         assert hasattr(loaded.model.layers[0].self_attn, "q_norm")
     check_against_mlx_lm(loaded, prompts)
-
-
-ROPE_VARIANTS = {  # llama configs whose RoPE module differs (engine/rotary.py stands in for some on the CPU)
-    "llama3-scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
-    "linear-scaling": {"rope_scaling": {"type": "linear", "factor": 2.0}},
-    "traditional": {"rope_traditional": True},
-    "yarn": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}},
-    "dynamic-ntk": {"rope_scaling": {"type": "dynamic", "factor": 2.0}},
-}
 
 
 SHARED_ON_CPU = {"llama3-scaling", "linear-scaling"}  # the plain mx.fast.rope calls

@@ -39,11 +39,27 @@ def test_batch_invariant_serial_equals_concurrent_bitwise(target, prompts):
     concurrent_plans = steps.plans[n_serial:]
     assert max(p.rows for p in concurrent_plans) > 1 and max(len(p.slices) for p in concurrent_plans) >= 4, \
         "the concurrent schedule never batched: the comparison would prove nothing"
+    assert_same_outputs(s, c, reqs)
+
+
+def assert_same_outputs(s, c, reqs):
     for r in reqs:
         a, b = s.outputs[r.id], c.outputs[r.id]
         assert a.tokens == b.tokens
         assert np.array_equal(np.array(a.topk_ids), np.array(b.topk_ids))
         assert np.array_equal(np.array(a.topk_logits).view(np.uint32), np.array(b.topk_logits).view(np.uint32))
+
+
+@pytest.mark.parametrize("variant", ["llama3-scaling", "traditional", "dynamic-ntk"])
+def test_batch_invariant_holds_for_other_rope_modules(random_model, prompts, variant):
+    """The RoPE paths other than the fixture's (CPU: shared cos / sin; module per layer;
+    one call per slice for a base that depends on the offset), under batching."""
+    from divergence.testing.models import ROPE_VARIANTS
+
+    loaded = random_model("llama", hidden_size=64, extra_config=ROPE_VARIANTS[variant])
+    reqs = staggered(loaded, prompts, n=12)
+    eng = Engine(loaded, policy="batch-invariant", stop_at_eos=False)
+    assert_same_outputs(eng.run(reqs, "serial"), eng.run(reqs, "concurrent"), reqs)
 
 
 def test_threshold_1_diverges_and_reproducibly(target, prompts):
