@@ -58,7 +58,7 @@ def _timed(name, fn):
 
 
 def _timed_commit(fn):
-    """Run._commit closes a target step: record its components (deltas of T) and when it ended."""
+    """Run.commit closes a target step: record its components (deltas of T) and when it ended."""
 
     def wrapper(self, sched, launch, sampled):
         try:
@@ -77,12 +77,12 @@ class Instrument:
 
     def __enter__(self):
         self.saved = [(E.ModelState, "forward_step"), (S, "sample_on_device"), (E.mx, "async_eval"),
-                      (S, "to_host"), (E.Run, "_commit")]
+                      (S, "to_host"), (E.Run, "commit")]
         self.orig = [getattr(o, n) for o, n in self.saved]
         names = ["build_forward", "build_sample", "queue", "wait", "commit"]
         for (o, n), f, name in zip(self.saved, self.orig, names):
             setattr(o, n, _timed(name, f))
-        setattr(E.Run, "_commit", _timed_commit(_timed("commit", self.orig[-1])))
+        setattr(E.Run, "commit", _timed_commit(_timed("commit", self.orig[-1])))
         return self
 
     def __exit__(self, *exc):

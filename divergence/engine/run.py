@@ -4,13 +4,12 @@ The loop reads: schedule -> launch (forward + sampling queued on the device) ->
 collect (wait for the [rows] token ids) -> commit (scheduler bookkeeping, tokens)
 -> events. While a decode step computes, the next one is already built and
 queued when the schedule allows (mlx-lm's generate_step does the same with
-mx.async_eval); a speculative round queues all its draft steps and the verify
-before its one host sync, when every request in it is greedy.
+mx.async_eval). A speculative round (draft steps, then the verify) is spec_round.py's.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -26,8 +25,9 @@ from .kv_events import KvLog, StepKv, kv_writes
 from .model_state import ModelState
 from .moe import routing_events
 from .results import RequestOutput, RunResult
-from .scheduler import MLX_LM, PENDING, Scheduler, Work, admit_recorded
+from .scheduler import MLX_LM, Scheduler, Work, admit_recorded
 from .sequence import Sequence
+from .spec_round import SpecRound
 from .speculative import Proposal, accept_greedy, accept_sampled
 
 
@@ -43,13 +43,6 @@ class Launch:
     kernels: list[tuple[str, object]]  # (on_kernel | on_allreduce, event), emitted at collect
     t0: float
     duration: float = 0.0
-
-
-@dataclass
-class _Round:
-    """A speculative round's draft steps, queued but not collected."""
-
-    launches: list[tuple[Launch, list[Sequence]]] = field(default_factory=list)
 
 
 class Run:
@@ -104,7 +97,7 @@ class Run:
         self.outputs: dict[str, RequestOutput] = {}
         self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
         self._done_at = 0.0  # when the last collected step's results arrived
-        self._side = None  # a second stream for host-side conversions (see _emit_step_writes)
+        self._side = None  # a second stream for host-side conversions (see emit_step_writes)
         self._t0 = 0.0
 
     def _sequence(self, r: Request) -> Sequence:
@@ -163,7 +156,7 @@ class Run:
             self._arrived(admitted)
             decoding = [w.seq for w in work if not w.prefill]
             if self.draft is not None and decoding:
-                self._spec_round(sched, work, decoding)
+                SpecRound(self, sched, work, decoding).execute()
             else:
                 plan = sched.target_plan(self.step, work)
                 if ahead is not None and _same_layout(ahead.plan, plan):
@@ -176,7 +169,7 @@ class Run:
                 if nxt is not None and all(w.seq.request.sampling.greedy for w in nxt):
                     ahead = self._launch_ahead(sched, launch, nxt)
                 sampled = self.collect(launch)
-                self._commit(sched, launch, sampled)
+                self.commit(sched, launch, sampled)
             clock += 1
 
     def _launch_ahead(self, sched: Scheduler, launch: Launch, nxt: list[Work]) -> Launch:
@@ -188,61 +181,6 @@ class Run:
         tokens = ids if idx == list(range(ids.shape[0])) else ids[mx.array(idx, dtype=mx.int32)]
         return self.launch(self.target, plan, tokens=tokens)
 
-    def _spec_round(self, sched: Scheduler, work: list[Work], decoding: list[Sequence]) -> None:
-        """k draft steps batched across the decoding sequences, then one verify step. With
-        only greedy requests every step is queued before the one host sync (the draft's
-        proposals feed the next draft step and the verify on the device)."""
-        ks = {s.id: sched.draft_len(s) for s in decoding}
-        lazy = self.e.overlap and all(s.request.sampling.greedy for s in decoding)
-        props = {s.id: Proposal([], []) for s in decoding}
-        last: dict[str, int] = {}
-        queued = _Round()
-        prev: Launch | None = None
-        prev_row: dict[str, int] = {}
-        for j in range(max(ks.values())):
-            seqs = [s for s in decoding if ks[s.id] > j]
-            plan = sched.draft_plan(self.step, seqs, j, last)
-            tokens = None
-            if j and lazy:
-                tokens = prev.sample.ids[mx.array([prev_row[s.id] for s in seqs], dtype=mx.int32)]
-            full = [i for i, s in enumerate(seqs) if not s.request.sampling.greedy]
-            launch = self.launch(self.draft, plan, tokens=tokens, full_rows=full, want_topk=False)
-            self.step += 1
-            sched.computed(plan)
-            if lazy:
-                queued.launches.append((launch, seqs))
-                prev, prev_row = launch, {s.id: i for i, s in enumerate(seqs)}
-                last = {s.id: PENDING for s in seqs}
-                continue
-            sampled = self.collect(launch)
-            for i, s in enumerate(seqs):
-                tok, q = self._propose_one(s, sampled, i, len(s.tokens) + j, launch.plan.index)
-                props[s.id].tokens.append(tok)
-                props[s.id].q.append(q)
-                last[s.id] = tok
-            self.close(launch)
-        if lazy:
-            plan = sched.target_plan(self.step, work, {s.id: (PENDING,) * ks[s.id] for s in decoding})
-            verify = self.launch(self.target, plan, tokens=self._verify_tokens(plan, queued))
-            self._collect_round(queued, props)
-            verify.plan = _with_tokens(verify.plan, {s: (seq.tokens[-1], *props[s].tokens)
-                                                     for s, seq in ((x.id, x) for x in decoding)})
-        else:
-            plan = sched.target_plan(self.step, work, {s.id: tuple(props[s.id].tokens) for s in decoding})
-            verify = self.launch(self.target, plan, full_rows=self.full_rows(plan))
-        self.step += 1
-        self.proposals.update(props)
-        sampled = self.collect(verify)
-        self._commit(sched, verify, sampled)
-
-    def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int, step: int):
-        if s.request.sampling.greedy:
-            return int(sampled.ids[row]), None
-        q = smp.probs(sampled.logits(row), s.request.sampling)
-        tok, rec = smp.draw_traced(q, smp.uniform(s.request.sampling, pos, smp.PURPOSE_DRAFT), smp.PURPOSE_DRAFT)
-        self.emit_draws(step, s.id, [(pos, rec)])
-        return tok, q
-
     def emit_draws(self, step: int, rid: str, draws: list) -> None:
         """The sampler's uniform draws, as records of the trace's draws table."""
         if not self.want_records:
@@ -252,42 +190,6 @@ class Run:
             for ob in self.e.observers:
                 if getattr(ob, "wants_records", False):
                     ob.on_record("draws", **cols)
-
-    def _verify_tokens(self, plan: StepPlan, queued: _Round) -> mx.array:
-        """The step's input rows: prefill rows and each verify's last token from the host,
-        its proposals gathered on the device from the draft steps' ids."""
-        known = [t for sl in plan.slices for t in sl.tokens if t != PENDING]
-        pool = [mx.array(known, dtype=mx.uint32)]
-        where: dict[tuple[str, int], int] = {}
-        base = len(known)
-        for j, (launch, seqs) in enumerate(queued.launches):
-            pool.append(launch.sample.ids.astype(mx.uint32))
-            for i, s in enumerate(seqs):
-                where[(s.id, j)] = base + i
-            base += len(seqs)
-        idx, k = [], 0
-        for sl in plan.slices:
-            for j, t in enumerate(sl.tokens):
-                if t == PENDING:
-                    idx.append(where[(sl.request_id, j - 1)])
-                else:
-                    idx.append(k)
-                    k += 1
-        return mx.concatenate(pool)[mx.array(idx, dtype=mx.int32)]
-
-    def _collect_round(self, queued: _Round, props: dict[str, Proposal]) -> None:
-        """The round's one host sync: the draft steps' proposals, then their events. Each
-        step's duration is the time from the previous step's results to its own."""
-        for j, (launch, seqs) in enumerate(queued.launches):
-            sampled = self.collect(launch, emit=False)
-            if j:
-                launch.plan = _with_tokens(launch.plan, {s.id: (props[s.id].tokens[-1],) for s in seqs})
-            for i, s in enumerate(seqs):
-                props[s.id].tokens.append(int(sampled.ids[i]))
-                props[s.id].q.append(None)
-        for launch, _ in queued.launches:
-            self._emit_step_writes(launch)
-            self.close(launch)
 
     # -- public steps (the loop above and replay use them) ---------------------------------
     def state(self, model: str) -> ModelState:
@@ -330,16 +232,16 @@ class Run:
 
     def collect(self, launch: Launch, *, emit: bool = True) -> smp.Sampled:
         """Wait for a step's results; emits its kernel choices and KV writes (unless emit=False:
-        then _emit_step_writes later, once its plan's tokens are known)."""
+        then emit_step_writes later, once its plan's tokens are known)."""
         sampled = smp.to_host(launch.sample)
         now = time.perf_counter()
         launch.duration = now - max(launch.t0, self._done_at)
         self._done_at = now
         if emit:
-            self._emit_step_writes(launch)
+            self.emit_step_writes(launch)
         return sampled
 
-    def _emit_step_writes(self, launch: Launch) -> None:
+    def emit_step_writes(self, launch: Launch) -> None:
         for method, ev in launch.kernels:
             self.e._emit(method, ev)
         if self.want_kv:
@@ -415,7 +317,7 @@ class Run:
         for w in self.kv_log.shared(rid, sources, blocks.block_size):
             self.e._emit("on_kv_write", w)
 
-    def _commit(self, sched: Scheduler, launch: Launch, sampled: smp.Sampled) -> None:
+    def commit(self, sched: Scheduler, launch: Launch, sampled: smp.Sampled) -> None:
         plan = launch.plan
         sched.computed(plan)
         r = 0
@@ -477,9 +379,3 @@ def _same_layout(a: StepPlan, b: StepPlan) -> bool:
     return a.index == b.index and a.model == b.model and len(a.slices) == len(b.slices) and all(
         (x.request_id, x.phase, x.start, x.count, x.row_offset, x.logit_rows)
         == (y.request_id, y.phase, y.start, y.count, y.row_offset, y.logit_rows) for x, y in zip(a.slices, b.slices))
-
-
-def _with_tokens(plan: StepPlan, tokens: dict[str, tuple[int, ...]]) -> StepPlan:
-    """The plan with its PENDING input tokens filled in, once the host has them."""
-    return replace(plan, slices=tuple(replace(s, tokens=tuple(int(t) for t in tokens[s.request_id]))
-                                      if s.request_id in tokens else s for s in plan.slices))
