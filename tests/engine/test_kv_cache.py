@@ -55,18 +55,20 @@ def test_prefix_blocks_are_shared_and_evicted_last():
     assert bm.in_use == 6 and not bm.by_hash
 
 
-def test_write_is_in_place_not_a_whole_cache_copy():
+@pytest.mark.parametrize("by_slice", [False, True], ids=["scatter", "slice-update"])
+def test_write_is_in_place_not_a_whole_cache_copy(by_slice):
     blocks, bs, kv, hd = 2048, 16, 4, 64
     cache = PagedKVCache(1, blocks, bs, kv, hd, mx.float32)
     pool_bytes = blocks * bs * kv * hd * 4  # 32 MiB per pool
     slots = mx.array(np.array([5], dtype=np.int32))
-    row = mx.ones((1, kv, hd), mx.float32)
-    cache.write(0, slots, row, row)
+    # the slice path as the forward calls it: rows in RoPE's [n, kv, 1, hd] layout
+    row = mx.ones((1, kv, 1, hd) if by_slice else (1, kv, hd), mx.float32)
+    cache.write(0, slots, row, row, start=5 if by_slice else None)
     mx.eval(cache.arrays())
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     for i in range(20):
-        cache.write(0, mx.array(np.array([i], dtype=np.int32)), row * i, row * i)
+        cache.write(0, mx.array(np.array([i], dtype=np.int32)), row * i, row * i, start=i if by_slice else None)
         mx.eval(cache.arrays())
     grew = mx.get_peak_memory() - before
     assert grew < pool_bytes // 4, f"writing 20 single tokens allocated {grew} bytes (a pool is {pool_bytes})"
