@@ -1,9 +1,9 @@
 """RoPE on the CPU stream, with a step's cos / sin made once for all its layers.
 
 On the CPU stream `mx.fast.rope` has no kernel: each call builds MLX's fallback graph,
-about 25 ops. Two thirds of them (positions, inverse frequencies, theta, cos, sin and
+about 30 ops. Two thirds of them (positions, inverse frequencies, theta, cos, sin and
 their casts) depend only on the rows' positions, which every q and k of every layer of
-a step share: a decode step of a 4-layer model built that part 8 times, a fifth of the
+a step share: a decode step of a 4-layer model built that part 8 times, a sixth of the
 step's graph on the fixture. Each op is a dispatch on the CPU stream, and at small
 shapes the dispatches are the step's time.
 
