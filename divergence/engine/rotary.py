@@ -61,19 +61,31 @@ class StepRotation:
         unit = mx.concatenate([mx.ones((half,), dtype), mx.zeros((self.dims - half,), dtype)])
         cos_sin = rope(mx.broadcast_to(unit, (T, 1, 1, self.dims)), offset=positions)
         self.cos, self.sin = cos_sin[..., :half], cos_sin[..., half:]
-        # broadcast once per head count (q's, k's): the fallback broadcasts them in each of
+        # Where RoPE rotates the whole head, as one product pair over full width:
+        #   x * [cos, cos] + roll(x) * [-sin, sin],  roll(x) = [x2, x1]
+        # is the fallback's (x1 cos - x2 sin, x1 sin + x2 cos) bit for bit: a - b is
+        # a + (-b) in IEEE arithmetic, x2 * (-sin) is -(x2 * sin) (signed zeros too), and
+        # the second half's sum only swaps its operands. 4 calls instead of 9.
+        self._full = (mx.concatenate([self.cos, self.cos], axis=-1),
+                      mx.concatenate([-self.sin, self.sin], axis=-1))
+        # broadcast once per shape (q's, k's): the fallback broadcasts them in each of
         # its four products, in every call (the same values either way)
-        self._wide: dict[int, tuple[mx.array, mx.array]] = {}
+        self._wide: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+    def _broadcast(self, pair: tuple[mx.array, mx.array], shape) -> tuple[mx.array, mx.array]:
+        key = (len(pair[0].shape), *shape)
+        wide = self._wide.get(key)
+        if wide is None:
+            wide = self._wide[key] = (mx.broadcast_to(pair[0], shape), mx.broadcast_to(pair[1], shape))
+        return wide
 
     def rotate(self, x: mx.array) -> mx.array:
         """x [T, heads, 1, hd] -> rotated, as mx.fast.rope's fallback computes it."""
         half, dims = self.dims // 2, self.dims
-        x1, x2 = x[..., :half], x[..., half:dims]
-        wide = self._wide.get(x1.shape[1])
-        if wide is None:
-            wide = self._wide[x1.shape[1]] = (mx.broadcast_to(self.cos, x1.shape), mx.broadcast_to(self.sin, x1.shape))
-        cos, sin = wide
-        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos]
-        if dims < x.shape[-1]:
-            parts.append(x[..., dims:])
+        if dims == x.shape[-1]:
+            cos, sin = self._broadcast(self._full, x.shape)
+            return x * cos + mx.roll(x, half, axis=-1) * sin
+        x1, x2 = x[..., :half], x[..., half:dims]  # partial rotary: the fallback's own form
+        cos, sin = self._broadcast((self.cos, self.sin), x1.shape)
+        parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dims:]]
         return mx.concatenate(parts, axis=-1)

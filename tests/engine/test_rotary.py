@@ -53,3 +53,18 @@ def test_shared_only_when_every_layer_is_a_plain_rope_alike():
     assert shared_rope([yarn, yarn]) is None
     ntk = rope_utils.DynamicNTKScalingRoPE(64, 2048, False, 10000.0, 2.0)  # base depends on the offset
     assert shared_rope([ntk, ntk]) is None
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_signed_zeros_come_out_as_the_fallbacks(dtype):
+    """The full-width form negates sin: with zeros in x and sin(0) = +0 at position 0, every
+    zero must keep the fallback's sign (compared as bits)."""
+    rope = nn.RoPE(8)
+    x = np.random.default_rng(2).standard_normal((3, 2, 1, 8)).astype(np.float32)
+    x[:, :, :, ::3] = 0.0
+    x[:, 1, :, 1::3] = -0.0
+    x = mx.array(x).astype(dtype)
+    pos = mx.array([0, 1, 5], dtype=mx.int32)
+    got, want = StepRotation(rope, pos, dtype).rotate(x), rope(x, offset=pos)
+    assert np.array_equal(np.array(got.astype(mx.float32)).view(np.uint32),
+                          np.array(want.astype(mx.float32)).view(np.uint32))
