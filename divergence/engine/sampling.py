@@ -42,10 +42,7 @@ class DeviceSample:
     packed: mx.array | None = None
 
     def arrays(self) -> list[mx.array]:
-        if self.packed is not None:
-            return [a for a in (self.packed, self.full) if a is not None]
-        return [a for a in (self.ids, self.top_ids, self.top_vals, self.chosen, self.full, self.lse)
-                if a is not None]
+        return [a for a in (self.packed if self.packed is not None else self.ids, self.full) if a is not None]
 
 
 def _bits(a: mx.array) -> mx.array:
@@ -164,19 +161,11 @@ class Sampled:
 
 def to_host(ds: DeviceSample) -> Sampled:
     """Copy a (evaluated or not) DeviceSample to the host; sorts the small top-k there."""
+    # with the top-k everything comes packed in one array; without it, only the ids
     if ds.packed is not None:
         out = _unpack(np.array(ds.packed), ds.top_vals.dtype)
     else:
         out = Sampled(np.array(ds.ids).astype(np.int64))
-    if ds.packed is None and ds.top_ids is not None:
-        part = np.array(ds.top_ids).astype(np.int32)
-        vals = float32(ds.top_vals)
-        order = np.lexsort((part, -vals), axis=-1)
-        out.top_ids = np.take_along_axis(part, order, axis=-1)
-        out.top_vals = np.take_along_axis(vals, order, axis=-1)
-        out.chosen = float32(ds.chosen)[:, 0]
-    if ds.packed is None and ds.lse is not None:  # (packed: it came in the one copy)
-        out.lse = np.array(ds.lse)
     if ds.full is not None:
         full = np.array(ds.full)
         out.full = {r: full[i] for i, r in enumerate(ds.full_rows)}
