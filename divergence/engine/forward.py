@@ -198,7 +198,7 @@ class PackedForward:
         """The step's cos / sin, once for all layers, where RoPE is MLX's CPU fallback (rotary.py)."""
         if self.shared_rope is None or not fallback_in_use():
             return None
-        return StepRotation(self.shared_rope, prep.positions, self.dtype)
+        return StepRotation(self.shared_rope, prep.positions, self.dtype, self.head_dim)
 
     def _rope(self, rope, x: mx.array, prep: PreparedStep, rotation: StepRotation | None) -> mx.array:
         """x [T, heads, 1, hd] at each row's own position."""

@@ -11,9 +11,10 @@ shapes the dispatches are the step's time.
 module on a unit vector (first half ones, second half zeros): the rotation of
 (1, 0) is (cos, sin), with one exact multiply by 1 and an exact add of a zero, so the
 table holds the fallback's own cos / sin in the model dtype, whatever its frequency
-scheme. `rotate` then runs the rest of the fallback, the same elementwise ops in the
-same order and dtype, so the result is the fallback's bit for bit (test_rotary.py;
-the reference tests compare whole forwards with mlx-lm's).
+scheme. `rotate` then runs the rest of the fallback: its own elementwise ops where the
+rotary dims are part of the head, and where they are the whole head one equivalent
+product pair (see StepRotation), so the result is the fallback's bit for bit
+(test_rotary.py; the reference tests compare whole forwards with mlx-lm's).
 
 Only where the fallback is what would run (the CPU stream) and only for RoPE modules
 that are a plain `mx.fast.rope` call, non-traditional, configured alike in every layer;
@@ -54,38 +55,39 @@ def fallback_in_use() -> bool:
 class StepRotation:
     """The cos / sin of one step's rows ([T, 1, 1, dims / 2] each) and the rotation that uses them."""
 
-    def __init__(self, rope: nn.Module, positions: mx.array, dtype: mx.Dtype):
+    def __init__(self, rope: nn.Module, positions: mx.array, dtype: mx.Dtype, head_dim: int):
         self.dims = rope.dims
         half = self.dims // 2
         T = positions.shape[0]
         unit = mx.concatenate([mx.ones((half,), dtype), mx.zeros((self.dims - half,), dtype)])
         cos_sin = rope(mx.broadcast_to(unit, (T, 1, 1, self.dims)), offset=positions)
-        self.cos, self.sin = cos_sin[..., :half], cos_sin[..., half:]
-        # Where RoPE rotates the whole head, as one product pair over full width:
-        #   x * [cos, cos] + roll(x) * [-sin, sin],  roll(x) = [x2, x1]
-        # is the fallback's (x1 cos - x2 sin, x1 sin + x2 cos) bit for bit: a - b is
-        # a + (-b) in IEEE arithmetic, x2 * (-sin) is -(x2 * sin) (signed zeros too), and
-        # the second half's sum only swaps its operands. 4 calls instead of 9.
-        self._full = (mx.concatenate([self.cos, self.cos], axis=-1),
-                      mx.concatenate([-self.sin, self.sin], axis=-1))
+        cos, sin = cos_sin[..., :half], cos_sin[..., half:]
+        self.whole_head = self.dims == head_dim
+        if self.whole_head:
+            # one product pair over the full width:
+            #   x * [cos, cos] + roll(x) * [-sin, sin],  roll(x) = [x2, x1]
+            # is the fallback's (x1 cos - x2 sin, x1 sin + x2 cos) bit for bit: a - b is
+            # a + (-b) in IEEE arithmetic, x2 * (-sin) is -(x2 * sin) (signed zeros too), and
+            # the second half's sum only swaps its operands. 4 calls instead of 9.
+            cos, sin = mx.concatenate([cos, cos], axis=-1), mx.concatenate([-sin, sin], axis=-1)
+        self.cos, self.sin = cos, sin
         # broadcast once per shape (q's, k's): the fallback broadcasts them in each of
         # its four products, in every call (the same values either way)
         self._wide: dict[tuple, tuple[mx.array, mx.array]] = {}
 
-    def _broadcast(self, pair: tuple[mx.array, mx.array], shape) -> tuple[mx.array, mx.array]:
-        key = (len(pair[0].shape), *shape)
-        wide = self._wide.get(key)
+    def _broadcast(self, shape: tuple) -> tuple[mx.array, mx.array]:
+        wide = self._wide.get(shape)
         if wide is None:
-            wide = self._wide[key] = (mx.broadcast_to(pair[0], shape), mx.broadcast_to(pair[1], shape))
+            wide = self._wide[shape] = (mx.broadcast_to(self.cos, shape), mx.broadcast_to(self.sin, shape))
         return wide
 
     def rotate(self, x: mx.array) -> mx.array:
-        """x [T, heads, 1, hd] -> rotated, as mx.fast.rope's fallback computes it."""
+        """x [T, heads, 1, head_dim] -> rotated, as mx.fast.rope's fallback computes it."""
         half, dims = self.dims // 2, self.dims
-        if dims == x.shape[-1]:
-            cos, sin = self._broadcast(self._full, x.shape)
+        if self.whole_head:
+            cos, sin = self._broadcast(x.shape)
             return x * cos + mx.roll(x, half, axis=-1) * sin
         x1, x2 = x[..., :half], x[..., half:dims]  # partial rotary: the fallback's own form
-        cos, sin = self._broadcast((self.cos, self.sin), x1.shape)
+        cos, sin = self._broadcast(x1.shape)
         parts = [x1 * cos - x2 * sin, x1 * sin + x2 * cos, x[..., dims:]]
         return mx.concatenate(parts, axis=-1)

@@ -27,7 +27,7 @@ def _ropes():
 def test_rotation_is_the_fallback_bit_for_bit(name, rope, hd, dtype, positions):
     rng = np.random.default_rng(len(positions) + hd)
     pos = mx.array(positions, dtype=mx.int32)
-    rot = StepRotation(rope, pos, dtype)
+    rot = StepRotation(rope, pos, dtype, hd)
     for heads in (4, 2):  # q and k of one layer share the rotation
         x = mx.array(rng.standard_normal((len(positions), heads, 1, hd)).astype(np.float32)).astype(dtype)
         want = rope(x, offset=pos) if len(positions) > 1 else rope(x, offset=positions[0])
@@ -41,7 +41,7 @@ def test_a_wrong_rotation_would_be_seen():
     """The control: positions off by one give other bits, so the comparison above can fail."""
     rope = nn.RoPE(64)
     x = mx.array(np.random.default_rng(0).standard_normal((3, 2, 1, 64)).astype(np.float32))
-    got = StepRotation(rope, mx.array([4, 5, 6], dtype=mx.int32), mx.float32).rotate(x)
+    got = StepRotation(rope, mx.array([4, 5, 6], dtype=mx.int32), mx.float32, 64).rotate(x)
     assert not np.array_equal(np.array(got), np.array(rope(x, offset=mx.array([3, 4, 5], dtype=mx.int32))))
 
 
@@ -65,6 +65,6 @@ def test_signed_zeros_come_out_as_the_fallbacks(dtype):
     x[:, 1, :, 1::3] = -0.0
     x = mx.array(x).astype(dtype)
     pos = mx.array([0, 1, 5], dtype=mx.int32)
-    got, want = StepRotation(rope, pos, dtype).rotate(x), rope(x, offset=pos)
+    got, want = StepRotation(rope, pos, dtype, 8).rotate(x), rope(x, offset=pos)
     assert np.array_equal(np.array(got.astype(mx.float32)).view(np.uint32),
                           np.array(want.astype(mx.float32)).view(np.uint32))
