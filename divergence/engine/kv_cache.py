@@ -158,7 +158,7 @@ class PagedKVCache:
         self._head_ids = mx.arange(kv_heads, dtype=mx.int32)[:, None]  # [kv_heads, 1]
         self._head_base = (self._head_ids * num_blocks)[None]  # [1, kv_heads, 1]
         self._flat: tuple = (None, None)  # (tables, their flat index): made once per step, used by every layer
-        self._heads: dict[int, mx.array] = {}  # rows written -> [kv_heads, rows] head index of a scatter
+        self._heads: dict[int, tuple] = {}  # rows written -> ([kv_heads, rows] zeros, head index) of a scatter
         self._scatter: tuple = (None, None)  # (slots, their scatter index): made once per step
         mx.eval(self.k, self.v, self._head_ids, self._head_base)
 
@@ -186,10 +186,11 @@ class PagedKVCache:
         CUDA for a 24-layer model (the same bits: a scatter only moves values)."""
         if self._scatter[0] is not slots:
             n = slots.shape[0]
-            heads = self._heads.get(n)
-            if heads is None:
-                heads = self._heads[n] = mx.broadcast_to(self._head_ids, (self._head_ids.shape[0], n)) + 0
-            zero = mx.zeros_like(heads)
+            fixed = self._heads.get(n)
+            if fixed is None:
+                heads = mx.broadcast_to(self._head_ids, (self._head_ids.shape[0], n)) + 0
+                fixed = self._heads[n] = (mx.zeros_like(heads), heads)
+            zero, heads = fixed
             self._scatter = (slots, (zero, heads, slots[None, :] + zero))
         return self._scatter[1]
 
