@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 # the confirmation logic lives in analysis.confirm (engine-free); its names stay importable here
-from .confirm import _owner, force_like_a, make_confirmer, make_replay_bisector  # noqa: F401
+from .confirm import make_confirmer, make_replay_bisector  # noqa: F401
+from .forcing import owner_of
 from ..blas import using_blas_threads
 from ..core.names import BATCH_GENERATOR, LOGPROBS, REPLAYABLE_ENGINES
 from ..errors import PolicyError, ReplayError
@@ -49,7 +50,7 @@ def parse_force(items) -> dict:
     """['7:gemv', '12:gemm:4', '9:lm_head=gemv', '8:solo'] -> {step: policy, {op: policy}, or SOLO}.
     Checks the syntax, the op names and the kernels; `check_forced` checks them against a trace."""
     from ..core.names import ATTENTION, ATTENTION_KERNELS, OPS
-    from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy
+    from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME
 
     out: dict = {}
     for item in items or ():
@@ -331,8 +332,8 @@ def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
         return seen[key]
 
     def find(cause, rd):
-        ra = _owner(a, cause.a.step, rd.id, cause.positions, cause.layer)
-        rb = _owner(b, cause.b.step, rd.id, cause.positions, cause.layer)
+        ra = owner_of(a, cause.a.step, rd.id, cause.positions, cause.layer)
+        rb = owner_of(b, cause.b.step, rd.id, cause.positions, cause.layer)
         if ra is None or rb is None:
             return None, "the root-cause steps do not both compute the request's rows"
         d = first_op_difference(record(a, cause.a.step, ra), record(b, cause.b.step, rb),
