@@ -24,6 +24,7 @@ import numpy as np
 from ..core.events import SeqSlice, StepPlan
 from ..core.request import Sampling
 from ..errors import TraceError
+from . import live
 from . import schema as S
 from .h5lock import H5_LOCK
 from .layout import read_commit, read_rows
@@ -351,29 +352,7 @@ class Trace:
         sel = (w["request"] == self.request_index(request_id)) & (w["model"] == self.codes("models").index(model))
         if at_step is not None:
             sel &= w["step"] <= at_step
-        idx = np.flatnonzero(sel)
-        count = w["count"][idx].astype(np.int64)
-        total = int(count.sum())
-        empty = {k: np.zeros(0, dt) for k, dt in (("layer", np.int16), ("position", np.int32), ("step", np.int64),
-                                                    ("k_hash", np.uint64), ("v_hash", np.uint64))}
-        if total == 0:
-            return empty
-        rep = np.repeat(np.arange(idx.size), count)
-        within = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-        layer = w["layer"][idx][rep]
-        position = w["start"][idx][rep] + within
-        step = w["step"][idx][rep]
-        order = np.arange(total)  # record order breaks ties between writes of one step
-        hrow = w["hash_offset"][idx][rep] + within
-        key = layer.astype(np.int64) * (int(position.max()) + 1) + position
-        srt = np.lexsort((order, step, key))
-        key_s = key[srt]
-        last = np.flatnonzero(np.r_[key_s[1:] != key_s[:-1], True])
-        pick = srt[last]
-        h = self.kv_hashes()
-        hrow_p = hrow[pick]
-        return {"layer": layer[pick], "position": position[pick], "step": step[pick],
-                "k_hash": h["k_hash"][hrow_p], "v_hash": h["v_hash"][hrow_p]}
+        return live.kv_cells(w, self.kv_hashes(), np.flatnonzero(sel))
 
     def allreduces(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Tensor-parallel all-reduce records (all, or of one step), op / model / backend
@@ -398,20 +377,7 @@ class Trace:
         sel = (t["request"] == self.request_index(request_id)) & (t["model"] == self.codes("models").index(model))
         if at_step is not None:
             sel &= t["step"] <= at_step
-        idx = np.flatnonzero(sel)
-        key = t["position"][idx].astype(np.int64) * 65536 + t["layer"][idx]
-        srt = np.lexsort((idx, t["step"][idx], key))  # latest write of a (position, layer) last
-        ks = key[srt]
-        pick = idx[srt[np.flatnonzero(np.r_[ks[1:] != ks[:-1], True])]] if idx.size else idx
-        out = {c: t[c][pick] for c in ("layer", "position", "step", "runner_up", "runner_up_score", "input_hash")}
-        k = int(t["k"][pick].max()) if pick.size else 0
-        if pick.size and not (t["k"][pick] == k).all():
-            raise ValueError("routing rows of one request hold different k")  # one model: one top-k
-        ch = self._visible("routing_choices")
-        rows = t["choice_offset"][pick][:, None] + np.arange(k)[None, :]
-        out["experts"] = ch["expert"][rows].astype(np.int32)
-        out["scores"] = ch["score"][rows]
-        return out
+        return live.routing_cells(t, self._visible("routing_choices"), np.flatnonzero(sel))
 
     def finish_step(self, request_id: str) -> int | None:
         t = self._visible("request_events")
