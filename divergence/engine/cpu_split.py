@@ -64,7 +64,10 @@ def linear(x: mx.array, module, tied_embedding: bool, split: ColumnSplit) -> mx.
 
 
 def _part(x: mx.array, module, tied_embedding: bool, n0: int, n1: int, stream) -> mx.array:
-    # The same calls as mlx.nn's modules make, on rows n0:n1 of every per-output tensor.
+    # The same calls as mlx.nn's modules make, on rows n0:n1 of every per-output tensor;
+    # a module that is not mlx.nn's (an MoE expert) computes its own part.
+    if hasattr(module, "part"):
+        return module.part(x, n0, n1, stream)
     bias = None if tied_embedding or "bias" not in module else module["bias"][n0:n1]
     w = module["weight"][n0:n1]
     if "scales" in module:

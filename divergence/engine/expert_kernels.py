@@ -47,6 +47,12 @@ class ExpertLinear:
     def __contains__(self, name: str) -> bool:
         return getattr(self, name, None) is not None
 
+    @property
+    def splittable(self) -> bool:
+        """Can cpu_split compute it in column parts (`part`)? Not a quantized expert: its own op
+        is the switch layer's gather_qmm, which the split's quantized_matmul is not."""
+        return not self.quantized
+
     def __call__(self, x: mx.array) -> mx.array:
         sw = self.switch
         if self.quantized:
@@ -56,6 +62,12 @@ class ExpertLinear:
         else:  # the backend's matmul on this expert's rows (gather_mm is float32-only on mlx's CPU)
             y = x @ self.weight.T
         return y + self.bias if self.bias is not None else y
+
+    def part(self, x: mx.array, n0: int, n1: int, stream) -> mx.array:
+        """Output columns n0:n1 of __call__, the same ops on `stream` (cpu_split's parts)."""
+        assert not self.quantized, "a quantized expert is not split"
+        y = mx.matmul(x, self.weight[n0:n1].T, stream=stream)
+        return y if self.bias is None else mx.add(y, self.bias[n0:n1], stream=stream)
 
 
 _GATHER_OK: dict[tuple, bool] = {}

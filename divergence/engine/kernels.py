@@ -43,15 +43,18 @@ class LinearOp:
     # through mlx.nn.Module.__getattr__, ~1 us each, dozens per step).
     quantized: bool = field(init=False)
     weight_dtype: object = field(init=False, repr=False)
+    splittable: bool = field(init=False, repr=False)
 
     def __post_init__(self):
         self.quantized = "scales" in self.module
         self.weight_dtype = self.module.weight.dtype
+        # mlx.nn's modules split by columns (cpu_split); another module says whether it can
+        self.splittable = getattr(self.module, "splittable", True)
         # the module's own product, bound once (mlx.nn's Module.__call__ -> Linear.__call__)
         self._product = self.module.as_linear if self.tied_embedding else self.module.__call__
 
     def native(self, x: mx.array) -> mx.array:
-        if cpu_split.MAY_SPLIT:
+        if cpu_split.MAY_SPLIT and self.splittable:
             split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
                                         self.quantized or x.dtype == self.weight_dtype, self.quantized)
             if split is not None:

@@ -124,6 +124,62 @@ def test_engine_with_every_product_split_equals_mlx_lm(monkeypatch, configure, t
             assert np.array_equal(ref[i][np.asarray(ids)].view(np.uint32), vals.view(np.uint32)), (r.id, i)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 37])
+def test_an_expert_splits_like_its_own_call(bias, m):
+    """An MoE expert (ExpertLinear: one expert of a SwitchGLU, as the grouped expert kernels
+    run it) computes its own column parts: the same bits as its whole call."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from divergence.engine.expert_kernels import ExpertWeights
+
+    mx.random.seed(3)
+    glu = SwitchGLU(256, 1000, 4, bias=bias)
+    glu.set_dtype(mx.bfloat16)
+    x = mx.random.normal((m, 256)).astype(mx.bfloat16)
+    for op in ExpertWeights(glu).ops(2)[:2]:  # up and gate: [m, 256] -> [m, 1000]
+        assert op.splittable
+        whole = op.module(x)
+        for parts in (2, 3):
+            assert np.array_equal(_bits(cpu_split.linear(x, op.module, False, _split(parts))), _bits(whole))
+
+
+def test_a_quantized_expert_is_not_split(monkeypatch, configure):
+    """Its own op is the switch layer's gather_qmm, not the quantized_matmul a split runs."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from divergence.engine.expert_kernels import ExpertWeights
+
+    glu = SwitchGLU(256, 1024, 4)
+    glu.set_dtype(mx.bfloat16)
+    nn.quantize(glu, group_size=64, bits=4)
+    calls = []
+    configure(_split(2), min_macs=0)
+    monkeypatch.setattr(cpu_split, "linear", lambda *a: calls.append(1))
+    up = ExpertWeights(glu).ops(1)[0]
+    assert not up.splittable
+    x = mx.random.normal((8, 256)).astype(mx.bfloat16)
+    assert np.array_equal(_bits(up.native(x)), _bits(up.module(x))) and not calls
+
+
+def test_bf16_moe_with_split_experts_runs_every_schedule(configure, random_model, prompts):
+    """Regression: a bf16 MoE model on the CPU (grouped experts: no bf16 gather_mm there) with
+    expert products big enough to split crashed (the split indexed the expert like an
+    mlx.nn module). Every product split now; serial, concurrent and warm agree."""
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+
+    loaded = random_model("qwen3_moe", hidden_size=64, num_layers=2, num_experts=8, experts_per_token=2,
+                          dtype="bfloat16")
+    configure(_split(2), min_macs=0)
+    eng = Engine(loaded, policy="native", stop_at_eos=False)
+    reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=6) for i, p in enumerate(prompts[:3])]
+    runs = {s: eng.run(reqs, s) for s in ("serial", "concurrent", "warm")}
+    toks = {s: {r.id: res.outputs[r.id].tokens for r in reqs} for s, res in runs.items()}
+    assert all(len(t) == 6 for t in toks["serial"].values())
+    assert toks["serial"] == toks["concurrent"] == toks["warm"]
+
+
 _REFERENCE_BLAS = """
 import mlx.core as mx, mlx.nn as nn, numpy as np
 from divergence.engine import cpu_split
