@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .forcing import force_like_a, forcing_words, rows_per_op
+from .forcing import force_like_a, forcing_words, prefill_as_a, rows_per_op
 
 
 def _suspect_steps(a, b, rid: str, pos: int, step_a: int, step_b: int, model: str = "target") -> dict[int, int]:
@@ -213,6 +213,18 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
                          f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)") if len(pairs) > 1 else ""
                 return True, (f"replaying {label_b} with {forcing_words(forced3, label_a)} {goal}{exact3}, where "
                               f"{label_a}'s kernels alone were not enough{extra}")
+        # the prefill's chunk boundaries differ (B's chunks straddle A's): no step alone has A's
+        # rows; B with the request's whole prompt computed in A's passes, every suspect step alone
+        passes = prefill_as_a(a, b, rd.id, step_b + 1)
+        if passes:
+            from ..core.policy import SOLO
+
+            forced4 = {**{sb: SOLO for sb in pairs}, **passes}
+            ok4, exact4, _ = check(forced4)
+            if ok4:
+                return True, (f"replaying {label_b} with {forcing_words(forced4, label_a)} {goal}{exact4}, where "
+                              f"{rd.id}'s prompt had to be computed in {label_a}'s {len(passes)} prefill passes "
+                              f"(its chunks in {label_b} straddle them)")
         if len(pairs) > 1:
             return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
                            f"{forcing_words(forced2, label_a)} it differs at {where(first2)}")

@@ -39,7 +39,10 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
 
     ka = step_kernels(a, step_a)
     kb = step_kernels(b, step_b)
-    same = {o: k for o, k in ka.items() if o != ATTENTION} == {o: k for o, k in kb.items() if o != ATTENTION}
+    # the ops both steps ran (a step without logit rows has no lm_head: a prefill chunk in
+    # A, the same chunk beside decode rows in B), compared by kernel label
+    shared = (ka.keys() & kb.keys()) - {ATTENTION}
+    same = all(ka[o] == kb[o] for o in shared)
     if same or alone or _mixed_experts(a, step_a):
         if rid is not None and a.step_plan(step_a).model == b.step_plan(step_b).model:
             oa, ob = owner_of(a, step_a, rid, positions, layer), owner_of(b, step_b, rid, positions, layer)
@@ -51,6 +54,34 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
                 return RelayoutStep(ob, sa.start, sa.start + sa.count)
         return SOLO
     return _as_a(ka, rows_per_op(a, step_a))
+
+
+def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
+    """B step -> RelayoutStep: the request's prompt computed in A's prefill passes, pass k in
+    B's k-th step that held a prefill slice of it (before `until_b`), every position of it
+    as A computed them, each step alone. Where the chunk boundaries themselves differ (a
+    chunked prefill that shared its token budget with other requests' rows in B, and not in
+    A), no single step's forcing reproduces A's rows: B's chunks straddle A's. {} when the
+    passes are the same, or B had fewer prefill steps than A had passes, or A's passes do not
+    start where B's do (A read a prefix hit B did not)."""
+    from ..core.names import PREFILL
+    from ..core.policy import RelayoutStep
+
+    def spans(trace, until=None):
+        out = []
+        for p in trace.iter_plans():
+            if p.model != "target" or (until is not None and p.index >= until):
+                continue
+            for s in p.slices:
+                if s.request_id == rid and s.phase == PREFILL:
+                    out.append((p.index, s.start, s.start + s.count))
+        return out
+
+    sa, sb = spans(a), spans(b, until_b)
+    if not sa or not sb or [x[1:] for x in sa] == [x[1:] for x in sb] or len(sb) < len(sa) \
+            or sa[0][1] != sb[0][1] or any(x[2] != y[1] for x, y in zip(sa, sa[1:])):
+        return {}
+    return {step: RelayoutStep(rid, lo, hi) for (step, _, _), (_, lo, hi) in zip(sb, sa)}
 
 
 def _known_len(trace, rid: str) -> int:

@@ -271,7 +271,9 @@ def relayout(plans: list[StepPlan], sites: list, forced: dict, requests) -> tupl
                 for i, t in enumerate(s.tokens):
                     token_at.setdefault((s.request_id, s.start + i), int(t))
     moved: dict[tuple[str, int], int] = {}  # (request, predicted position) -> the step that now computes it
-    taken: dict[str, tuple[int, int, int]] = {}  # request -> (step, start, end) already computed ahead
+    # request -> [(step, start, end)]: the spans already computed ahead (a prefill laid out as
+    # the other trace's chunks is several relayouts of one request, one a step)
+    taken: dict[str, list[tuple[int, int, int]]] = {}
     out = []
     for p in plans:
         rl = todo.get(p.index)
@@ -289,12 +291,13 @@ def relayout(plans: list[StepPlan], sites: list, forced: dict, requests) -> tupl
                 toks = tuple(token_at[(s.request_id, x)] for x in range(rl.start, rl.end))
                 rows = tuple(sorted(x - 1 - rl.start for x in predicted if rl.start <= x - 1 < rl.end))
                 for x in predicted:
-                    moved[(s.request_id, x)] = p.index
+                    if rl.start <= x - 1 < rl.end:  # the rows this pass computes
+                        moved[(s.request_id, x)] = p.index
                 s = replace(s, start=rl.start, count=rl.end - rl.start, tokens=toks, logit_rows=rows)
-                taken[s.request_id] = (p.index, rl.start, rl.end)
-            elif p.model != DRAFT_MODEL and s.request_id in taken and p.index > taken[s.request_id][0]:
-                _, lo, hi = taken[s.request_id]
-                keep = [x for x in range(s.start, s.start + s.count) if not lo <= x < hi]
+                taken.setdefault(s.request_id, []).append((p.index, rl.start, rl.end))
+            elif p.model != DRAFT_MODEL and s.request_id in taken:
+                spans = [(lo, hi) for at, lo, hi in taken[s.request_id] if at < p.index]
+                keep = [x for x in range(s.start, s.start + s.count) if not any(lo <= x < hi for lo, hi in spans)]
                 if not keep:
                     continue
                 if keep != list(range(keep[0], keep[-1] + 1)):

@@ -1,0 +1,54 @@
+"""A chunked prefill whose chunk boundaries differ between the schedules is confirmed.
+
+Serial, a long prompt is prefilled in chunks of the token budget; concurrent, the same
+budget is shared with other requests' decode rows, so its chunks are shorter and
+straddle serial's. On fp32 OpenBLAS a row's bits depend on the pass it was computed
+in, so no single step run as serial ran it reproduces serial's K/V: the confirmation
+has to compute the whole prompt in serial's passes (forcing.prefill_as_a, several
+relayouts of one request in one replay). Before that, the long request's logit-only
+divergence was named but NOT confirmed.
+"""
+from __future__ import annotations
+
+import pytest
+
+from divergence import Trace
+from divergence.analysis.bisect import bisect_traces
+from divergence.analysis.forcing import prefill_as_a
+from divergence.analysis.replay import Replayer, make_confirmer
+from divergence.analysis.report import render_bisect
+from divergence.blas import blas_in_use
+from divergence.core.policy import RelayoutStep
+from divergence.core.request import Request
+from divergence.runner import RunConfig, run_schedules
+
+pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
+                                reason="needs OpenBLAS (.ci/run installs it): under the reference BLAS an fp32 "
+                                       "row's bits do not depend on its pass, and the schedules do not differ")
+
+
+def _run(loaded, out):
+    reqs = [Request("S", tuple(loaded.encode("Return the number of")), max_tokens=24),
+            Request("T", tuple(loaded.encode("If the object")), max_tokens=24),
+            Request("L", tuple(range(7, 57)), max_tokens=8, arrival=2)]
+    cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=20, stop_at_eos=False)
+    run_schedules(cfg, loaded, None, reqs, ("serial", "concurrent"), out)
+    return out / "serial.h5", out / "concurrent.h5"
+
+
+def test_a_prefill_in_other_chunks_is_confirmed_in_the_other_traces_passes(random_model, tmp_path):
+    loaded = random_model("llama", dtype="float32")
+    pa, pb = _run(loaded, tmp_path)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        chunks = {t: [(s.start, s.count) for p in t.iter_plans() for s in p.slices
+                      if s.request_id == "L" and s.phase == "prefill"] for t in (a, b)}
+        assert chunks[a] == [(0, 20), (20, 20), (40, 10)] and chunks[b] != chunks[a]
+        passes = prefill_as_a(a, b, "L", b.num_steps)
+        assert [(r.start, r.end) for r in passes.values()] == [(0, 20), (20, 40), (40, 50)]
+        assert all(isinstance(r, RelayoutStep) for r in passes.values())
+
+        report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
+        cause = report.causes.get("L")
+        assert cause is not None, render_bisect(report)
+        assert cause.confirmed, render_bisect(report)
+        assert "prefill passes" in cause.confirm_detail, cause.confirm_detail
