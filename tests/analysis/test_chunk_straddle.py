@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from divergence import Trace
-from divergence.analysis.bisect import bisect_traces
-from divergence.analysis.forcing import prefill_as_a
+from divergence.analysis.bisect import bisect_traces, step_kernels
+from divergence.analysis.forcing import force_like_a, prefill_as_a
 from divergence.analysis.replay import Replayer, make_confirmer
 from divergence.analysis.report import render_bisect
 from divergence.blas import blas_in_use
@@ -46,6 +46,13 @@ def test_a_prefill_in_other_chunks_is_confirmed_in_the_other_traces_passes(rando
         passes = prefill_as_a(a, b, "L", b.num_steps)
         assert [(r.start, r.end) for r in passes.values()] == [(0, 20), (20, 40), (40, 50)]
         assert all(isinstance(r, RelayoutStep) for r in passes.values())
+        # one step alone: A's first chunk of L ran without logit rows (no lm_head), B's beside
+        # decode rows (lm_head too); every op both ran is native, so the forcing is the rows
+        # (run alone, A's span), not "A's kernels", which would change nothing
+        step_a = next(p.index for p in a.iter_plans() for s in p.slices if s.request_id == "L" and s.start == 0)
+        step_b = next(iter(passes))
+        assert "lm_head" not in step_kernels(a, step_a) and "lm_head" in step_kernels(b, step_b)
+        assert force_like_a(a, step_a, b, step_b, "L") == RelayoutStep("L", 0, 20)
 
         report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
         cause = report.causes.get("L")
