@@ -63,7 +63,8 @@ class SpecRound:
             run.close(launch)
         if lazy:
             plan = sched.target_plan(run.step, self.work, {s.id: (PENDING,) * ks[s.id] for s in decoding})
-            verify = run.launch(run.target, plan, tokens=self._verify_tokens(plan))
+            # (every decoding sequence is greedy, but a prefill in the step may be of one that samples)
+            verify = run.launch(run.target, plan, tokens=self._verify_tokens(plan), full_rows=run.full_rows(plan))
             self._collect_queued()
             verify.plan = with_tokens(verify.plan, {s: (seq.tokens[-1], *props[s].tokens)
                                                     for s, seq in ((x.id, x) for x in decoding)})

@@ -84,3 +84,23 @@ def test_rejection_sampling_follows_the_target_distribution():
     assert chi2 < 20.52, (chi2, counts / n)
     chi2_q = float(((counts - q * n) ** 2 / (q * n)).sum())
     assert chi2_q > 1000  # and it is clearly not the draft's distribution
+
+
+def test_a_sampling_request_prefilled_in_a_greedy_round(target, draft, prompts):
+    """Regression: with every decoding sequence greedy, a round is queued without host syncs,
+    and its verify step had asked for no full logits, yet a request that samples could be
+    prefilling in that very step (arriving later): KeyError on its logit row. Under
+    batch-invariant the greedy requests keep plain decoding's tokens, and the sampling one
+    draws the same tokens in either schedule (its draws are keyed by seed and position;
+    rejection sampling keeps the distribution, not plain sampling's very draws)."""
+    reqs = [Request("g0", tuple(target.encode(prompts[0])), max_tokens=20),
+            Request("g1", tuple(target.encode(prompts[1])), max_tokens=20),
+            Request("s", tuple(target.encode(prompts[2])), max_tokens=12, arrival=3,
+                    sampling=Sampling(temperature=0.8, seed=5))]
+    plain = Engine(target, policy="batch-invariant", stop_at_eos=False).run(reqs, "serial")
+    spec = Engine(target, draft, policy="batch-invariant", spec_k=3, stop_at_eos=False)
+    runs = {schedule: spec.run(reqs, schedule) for schedule in ("concurrent", "serial")}
+    for got in runs.values():
+        assert [got.outputs[g].tokens for g in ("g0", "g1")] == [plain.outputs[g].tokens for g in ("g0", "g1")]
+    assert len(runs["serial"].outputs["s"].tokens) == 12
+    assert runs["concurrent"].outputs["s"].tokens == runs["serial"].outputs["s"].tokens
