@@ -4,6 +4,8 @@ A's kernels, each request alone (SOLO), or A's very span of positions in one pas
 hit reads blocks another request wrote). Engine-free: it reads traces only."""
 from __future__ import annotations
 
+import numpy as np
+
 from ..core.labels import label_policy
 
 
@@ -57,31 +59,59 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
 
 
 def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
-    """B step -> RelayoutStep: the request's prompt computed in A's prefill passes, pass k in
-    B's k-th step that held a prefill slice of it (before `until_b`), every position of it
-    as A computed them, each step alone. Where the chunk boundaries themselves differ (a
-    chunked prefill that shared its token budget with other requests' rows in B, and not in
-    A), no single step's forcing reproduces A's rows: B's chunks straddle A's. {} when the
-    passes are the same, or B had fewer prefill steps than A had passes, or A's passes do not
-    start where B's do (A read a prefix hit B did not)."""
+    """B step -> RelayoutStep: the request's prompt computed in A's prefill passes, each pass
+    in one B step (before `until_b`), every position as A computed it, each step alone.
+
+    Where the chunk boundaries themselves differ (a chunked prefill that shared its token
+    budget with other requests' rows in B, and not in A), no single step's forcing
+    reproduces A's rows: B's chunks straddle A's. Pass k goes to B's k-th prefill step of
+    the request. Where B read the prompt's first blocks from the prefix cache (another
+    request, or `warm`'s warm-up copy, computed them) and A computed them itself, the
+    passes below that hit go to that owner's prefill steps, and the rest to the request's
+    own, the first of them recomputing from its pass's start. {} where that does not fit:
+    the same passes, too few B steps, several owners, A's passes not starting at 0 or at
+    B's first position."""
     from ..core.names import PREFILL
     from ..core.policy import RelayoutStep
 
-    def spans(trace, until=None):
-        out = []
-        for p in trace.iter_plans():
-            if p.model != "target" or (until is not None and p.index >= until):
-                continue
-            for s in p.slices:
-                if s.request_id == rid and s.phase == PREFILL:
-                    out.append((p.index, s.start, s.start + s.count))
-        return out
+    def spans(trace, who, until=None):
+        return [(p.index, s.start, s.start + s.count) for p in trace.iter_plans()
+                if p.model == "target" and (until is None or p.index < until)
+                for s in p.slices if s.request_id == who and s.phase == PREFILL]
 
-    sa, sb = spans(a), spans(b, until_b)
-    if not sa or not sb or [x[1:] for x in sa] == [x[1:] for x in sb] or len(sb) < len(sa) \
-            or sa[0][1] != sb[0][1] or any(x[2] != y[1] for x, y in zip(sa, sa[1:])):
+    sa, own = spans(a, rid), spans(b, rid, until_b)
+    if not sa or not own or [x[1:] for x in sa] == [x[1:] for x in own] \
+            or any(x[2] != y[1] for x, y in zip(sa, sa[1:])):
         return {}
-    return {step: RelayoutStep(rid, lo, hi) for (step, _, _), (_, lo, hi) in zip(sb, sa)}
+    hit = own[0][1]  # B's first own position: the ones below it came from the prefix cache
+    if sa[0][1] == hit:
+        below, owner, owner_steps = [], None, []
+    elif sa[0][1] == 0:
+        owner = _prompt_owner(b, rid, hit, until_b)
+        if owner is None:
+            return {}
+        below = [x for x in sa if x[2] <= hit]
+        owner_steps = spans(b, owner, until_b)
+    else:
+        return {}
+    rest = sa[len(below):]
+    if len(owner_steps) < len(below) or len(own) < len(rest):
+        return {}
+    out = {step: RelayoutStep(owner, lo, hi) for (step, _, _), (_, lo, hi) in zip(owner_steps, below)}
+    out.update({step: RelayoutStep(rid, lo, hi) for (step, _, _), (_, lo, hi) in zip(own, rest)})
+    return out
+
+
+def _prompt_owner(b, rid: str, hit: int, until_b: int) -> str | None:
+    """The one request whose prefill wrote the blocks of `rid`'s first `hit` positions in B
+    (a prefix-cache hit), or None (several, or none found)."""
+    live = b.live_kv(rid, at_step=until_b - 1)
+    sel = (live["layer"] == 0) & (live["position"] < hit)
+    owners = set()
+    for step in np.unique(live["step"][sel]).tolist():
+        positions = live["position"][sel & (live["step"] == step)].tolist()
+        owners.add(owner_of(b, int(step), rid, positions, 0))
+    return owners.pop() if len(owners) == 1 and None not in owners and rid not in owners else None
 
 
 def _known_len(trace, rid: str) -> int:

@@ -94,8 +94,15 @@ def replay_plans(
 ) -> RunResult:
     """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
     op outputs for one request. stop_after: end after that step."""
+    # where each request's first slice started as recorded: a relayout that recomputes from an
+    # earlier position still finds the recorded prefix-cache hit (and writes over its blocks)
+    recorded_start: dict[tuple[str, str], int] = {}
+    for p in plans:
+        for s in p.slices:
+            recorded_start.setdefault((p.model, s.request_id), s.start)
     plans, sites, forced = relayout(plans, sites, dict(forced or {}), requests)
     run = engine.recorded_run(requests, schedule, forced=forced)  # recorded under the original schedule's name
+    run.recorded_start = recorded_start
     last_seen: dict[str, int] = {}
     reserve = {r.id: 0 for r in requests}
     for p in plans:

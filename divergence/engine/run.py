@@ -98,6 +98,7 @@ class Run:
         self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
         self._done_at = 0.0  # when the last collected step's results arrived
         self._side = None  # a second stream for host-side conversions (see emit_step_writes)
+        self.recorded_start: dict[tuple[str, str], int] = {}  # replay: (model, request) -> first slice start
         self._t0 = 0.0
 
     def _sequence(self, r: Request) -> Sequence:
@@ -280,7 +281,11 @@ class Run:
         prefix = state.blocks.prefix_caching
         for s in plan.slices:
             if s.request_id not in state.blocks.tables:
-                matched = admit_recorded(state.blocks, self.by_id[s.request_id], reserve[s.request_id], s.start,
+                start = s.start  # a relayout recomputing part of a prefix hit admits at the recorded hit
+                recorded = self.recorded_start.get((plan.model, s.request_id), start)
+                if 0 < start < recorded:
+                    start = recorded
+                matched = admit_recorded(state.blocks, self.by_id[s.request_id], reserve[s.request_id], start,
                                          prefix=prefix)
                 if matched and self.want_kv:
                     self._emit_shared(s.request_id, matched)

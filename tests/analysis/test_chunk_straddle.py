@@ -27,13 +27,13 @@ pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
                                        "row's bits do not depend on its pass, and the schedules do not differ")
 
 
-def _run(loaded, out):
+def _run(loaded, out, schedules=("serial", "concurrent")):
     reqs = [Request("S", tuple(loaded.encode("Return the number of")), max_tokens=24),
             Request("T", tuple(loaded.encode("If the object")), max_tokens=24),
             Request("L", tuple(range(7, 57)), max_tokens=8, arrival=2)]
     cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=20, stop_at_eos=False)
-    run_schedules(cfg, loaded, None, reqs, ("serial", "concurrent"), out)
-    return out / "serial.h5", out / "concurrent.h5"
+    run_schedules(cfg, loaded, None, reqs, schedules, out)
+    return [out / f"{s}.h5" for s in schedules]
 
 
 def test_a_prefill_in_other_chunks_is_confirmed_in_the_other_traces_passes(random_model, tmp_path):
@@ -59,3 +59,22 @@ def test_a_prefill_in_other_chunks_is_confirmed_in_the_other_traces_passes(rando
         assert cause is not None, render_bisect(report)
         assert cause.confirmed, render_bisect(report)
         assert "prefill passes" in cause.confirm_detail, cause.confirm_detail
+
+
+def test_a_prefill_from_the_warm_up_copy_is_confirmed_in_the_other_traces_passes(random_model, tmp_path):
+    """`warm`: L's first blocks come from its warm-up copy through the prefix cache (computed
+    in chunks beside the other copies' rows), then L computes the rest itself. Confirmed
+    with the passes below the hit given to the warm-up copy's prefill steps and the last
+    one, recomputed from its start, to L's own step."""
+    loaded = random_model("llama", dtype="float32")
+    pa, pw = _run(loaded, tmp_path, ("serial", "warm"))
+    with Trace.open(pa) as a, Trace.open(pw) as w:
+        own = [(s.start, s.count) for p in w.iter_plans() for s in p.slices if s.request_id == "L"
+               and s.phase == "prefill"]
+        assert own and own[0][0] > 0, own  # a prefix-cache hit
+        passes = prefill_as_a(a, w, "L", w.num_steps)
+        assert [(r.request_id, r.start, r.end) for r in passes.values()] == \
+            [("warmup/L", 0, 20), ("warmup/L", 20, 40), ("L", 40, 50)]
+        report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
+        cause = report.causes.get("L")
+        assert cause is not None and cause.confirmed, render_bisect(report)
