@@ -67,7 +67,10 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
     from ..core.policy import RelayoutStep, SoloStep
 
     def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
-        got = replayer.run(b, forced=forced).outputs[rid]
+        try:
+            got = replayer.run(b, forced=forced).outputs[rid]
+        except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
+            raise _ForcingRefused(str(e)) from e
         ta = a.tokens(rid)
         want = [int(t) for t in ta.tokens[:n]]
         same = list(got.tokens[:n]) == want
@@ -96,7 +99,10 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
                     self.got = c
 
         rec = Draws()
-        replayer.run(b, forced=forced, observers=[rec])
+        try:
+            replayer.run(b, forced=forced, observers=[rec])
+        except ValueError as e:
+            raise _ForcingRefused(str(e)) from e
         return rec.got
 
     def _decides_like(story, got) -> bool:
@@ -230,7 +236,17 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
                            f"{forcing_words(forced2, label_a)} it differs at {where(first2)}")
         return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"
 
-    return confirm
+    def confirm_or_refused(cause, rd):
+        try:
+            return confirm(cause, rd)
+        except _ForcingRefused as e:
+            return False, f"the replay refused a forcing it needed ({e})"
+
+    return confirm_or_refused
+
+
+class _ForcingRefused(Exception):
+    """A forced replay that could not run (its relayout does not fit the recorded plans)."""
 
 
 def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):

@@ -78,3 +78,23 @@ def test_a_prefill_from_the_warm_up_copy_is_confirmed_in_the_other_traces_passes
         report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
         cause = report.causes.get("L")
         assert cause is not None and cause.confirmed, render_bisect(report)
+
+
+def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model, tmp_path, monkeypatch):
+    """A forced replay that cannot be laid out (here: every relayout refused) is reported as
+    an unconfirmed cause with the reason; the bisect of the other requests goes on."""
+    import divergence.engine.replay as engine_replay
+
+    def refuse(plans, sites, forced, requests):
+        if any(isinstance(v, RelayoutStep) for v in forced.values()):
+            raise ValueError("no relayout today")
+        return plans, sites, forced
+
+    monkeypatch.setattr(engine_replay, "relayout", refuse)
+    loaded = random_model("llama", dtype="float32")
+    pa, pb = _run(loaded, tmp_path)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
+        cause = report.causes["L"]
+        assert cause.confirmed is False and "refused a forcing it needed (no relayout today)" in cause.confirm_detail
+        assert any(c.confirmed for rid, c in report.causes.items() if rid != "L"), render_bisect(report)
