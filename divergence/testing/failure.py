@@ -77,7 +77,7 @@ def failure_text(comparisons: list[Comparison], run: RunSummary | None = None, *
             lines.append(f"... and {len(diverged) - max_requests} more diverged requests (run the bisect below)")
         shared = [(k, v) for k, v in c.report.groups().items() if len(v) > 1]
         for (_kind, step), rids in shared:
-            lines.append(f"shared root cause: {', '.join(sorted(rids))} all trace back to {c.label_b} step {step}")
+            lines.append(f"shared root cause: {', '.join(sorted(rids))} trace back to the same {c.label_b} step {step}")
     lines += ["", "To reproduce:"]
     seen = set()
     for c in bad:
