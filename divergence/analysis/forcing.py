@@ -68,11 +68,12 @@ def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
     the request. Where B read the prompt's first blocks from the prefix cache (another
     request, or `warm`'s warm-up copy, computed them) and A computed them itself, the
     passes below that hit go to that owner's prefill steps, and the rest to the request's
-    own, the first of them recomputing from its pass's start. {} where that does not fit:
-    the same passes, too few B steps, several owners, A's passes not starting at 0 or at
-    B's first position."""
+    own, the first of them recomputing from its pass's start. Where B took fewer steps than
+    A's passes (the owner's, or the request's own), the last of them runs the remaining
+    passes one after the other.
+    {} where that does not fit: the same passes, several owners, A's passes not starting at
+    0 or at B's first position."""
     from ..core.names import PREFILL
-    from ..core.policy import RelayoutStep
 
     def spans(trace, who, until=None):
         return [(p.index, s.start, s.start + s.count) for p in trace.iter_plans()
@@ -91,14 +92,27 @@ def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
         if owner is None:
             return {}
         below = [x for x in sa if x[2] <= hit]
-        owner_steps = spans(b, owner, until_b)
+        owner_steps = spans(b, owner, own[0][0])  # before the request read its blocks
     else:
         return {}
-    rest = sa[len(below):]
-    if len(owner_steps) < len(below) or len(own) < len(rest):
+    if below and not owner_steps:
         return {}
-    out = {step: RelayoutStep(owner, lo, hi) for (step, _, _), (_, lo, hi) in zip(owner_steps, below)}
-    out.update({step: RelayoutStep(rid, lo, hi) for (step, _, _), (_, lo, hi) in zip(own, rest)})
+    out = _passes(owner, owner_steps, below)
+    out.update(_passes(rid, own, sa[len(below):]))
+    return out
+
+
+def _passes(rid: str, steps: list, passes: list) -> dict:
+    """A's passes onto B's steps of the request, one a step; where B had fewer steps, its last
+    one runs the remaining passes one after the other."""
+    from ..core.policy import RelayoutStep
+
+    spans = [(lo, hi) for _, lo, hi in passes]
+    k = min(len(steps), len(spans))
+    out = {}
+    for i, (step, _, _) in enumerate(steps[:k]):
+        mine = spans[i:] if i == k - 1 else [spans[i]]
+        out[step] = RelayoutStep(rid, *mine[0], then=tuple(mine[1:]))
     return out
 
 

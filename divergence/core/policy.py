@@ -121,6 +121,14 @@ class RelayoutStep:
     request_id: str
     start: int
     end: int
+    # further passes of the same request after [start, end), run one after the other in this
+    # step: the other trace computed those positions in more passes than this step's one
+    then: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return ((self.start, self.end), *self.then)
 
     def __str__(self) -> str:
-        return f"{SOLO_NAME}, {self.request_id}[{self.start}:{self.end}] in one pass"
+        passes = " then ".join(f"[{a}:{b}]" for a, b in self.spans)
+        return f"{SOLO_NAME}, {self.request_id}{passes} in {'one pass' if not self.then else 'these passes'}"

@@ -288,20 +288,25 @@ def relayout(plans: list[StepPlan], sites: list, forced: dict, requests) -> tupl
         for s in p.slices:
             if p.model != DRAFT_MODEL and rl is not None and s.request_id == rl.request_id:
                 predicted = {s.start + lr + 1 for lr in s.logit_rows}
-                # logit rows of later slices inside the new span come here too
+                # logit rows of later slices inside the new spans come here too
                 for q in plans:
                     if q.index > p.index and q.model != DRAFT_MODEL:
                         for t in q.slices:
                             if t.request_id == s.request_id:
                                 predicted |= {t.start + lr + 1 for lr in t.logit_rows
-                                              if rl.start <= t.start + lr < rl.end}
-                toks = tuple(token_at[(s.request_id, x)] for x in range(rl.start, rl.end))
-                rows = tuple(sorted(x - 1 - rl.start for x in predicted if rl.start <= x - 1 < rl.end))
-                for x in predicted:
-                    if rl.start <= x - 1 < rl.end:  # the rows this pass computes
-                        moved[(s.request_id, x)] = p.index
-                s = replace(s, start=rl.start, count=rl.end - rl.start, tokens=toks, logit_rows=rows)
-                taken.setdefault(s.request_id, []).append((p.index, rl.start, rl.end))
+                                              if any(a <= t.start + lr < b for a, b in rl.spans)}
+                # one slice per pass, in order (the step runs request by request: SOLO runs each
+                # slice as its own forward pass)
+                for a, b in rl.spans:
+                    toks = tuple(token_at[(s.request_id, x)] for x in range(a, b))
+                    rows = tuple(sorted(x - 1 - a for x in predicted if a <= x - 1 < b))
+                    for x in predicted:
+                        if a <= x - 1 < b:  # the rows this pass computes
+                            moved[(s.request_id, x)] = p.index
+                    slices.append(replace(s, start=a, count=b - a, tokens=toks, logit_rows=rows, row_offset=row))
+                    row += b - a
+                    taken.setdefault(s.request_id, []).append((p.index, a, b))
+                continue
             elif p.model != DRAFT_MODEL and s.request_id in taken:
                 spans = [(lo, hi) for at, lo, hi in taken[s.request_id] if at < p.index]
                 keep = [x for x in range(s.start, s.start + s.count) if not any(lo <= x < hi for lo, hi in spans)]

@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
                                        "row's bits do not depend on its pass, and the schedules do not differ")
 
 
-def _run(loaded, out, schedules=("serial", "concurrent")):
+def _run(loaded, out, schedules=("serial", "concurrent"), *, budget=20, long=50):
     reqs = [Request("S", tuple(loaded.encode("Return the number of")), max_tokens=24),
             Request("T", tuple(loaded.encode("If the object")), max_tokens=24),
-            Request("L", tuple(range(7, 57)), max_tokens=8, arrival=2)]
-    cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=20, stop_at_eos=False)
+            Request("L", tuple(range(7, 7 + long)), max_tokens=8, arrival=2)]
+    cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=budget, stop_at_eos=False)
     run_schedules(cfg, loaded, None, reqs, schedules, out)
     return [out / f"{s}.h5" for s in schedules]
 
@@ -98,3 +98,18 @@ def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model,
         cause = report.causes["L"]
         assert cause.confirmed is False and "refused a forcing it needed (no relayout today)" in cause.confirm_detail
         assert any(c.confirmed for rid, c in report.causes.items() if rid != "L"), render_bisect(report)
+
+
+def test_passes_b_took_in_fewer_steps_run_one_after_the_other(random_model, tmp_path):
+    """warm, an 80-token prompt, a budget of 24: serial's passes are [0:24] [24:48] [48:72]
+    [72:80]; L hits its warm-up copy's blocks up to 64 and computes [64:80] in one step. That
+    step runs serial's last two passes one after the other (RelayoutStep.then)."""
+    loaded = random_model("llama", dtype="float32")
+    pa, pw = _run(loaded, tmp_path, ("serial", "warm"), budget=24, long=80)
+    with Trace.open(pa) as a, Trace.open(pw) as w:
+        passes = prefill_as_a(a, w, "L", w.num_steps)
+        assert [(r.request_id, r.spans) for r in passes.values()] == \
+            [("warmup/L", ((0, 24),)), ("warmup/L", ((24, 48),)), ("L", ((48, 72), (72, 80)))]
+        report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
+        cause = report.causes.get("L")
+        assert cause is not None and cause.confirmed, render_bisect(report)
