@@ -101,6 +101,7 @@ class BisectReport:
     causes: dict[str, RootCause]  # request id -> root cause
     mode: str = "kv-hashes"  # or "replay" when the traces had no KV hashes
     confirm_requested: bool = False
+    unexplained: dict[str, str] = field(default_factory=dict)  # request id -> why no cause was found
 
     @property
     def identical(self) -> bool:
@@ -119,6 +120,8 @@ class BisectReport:
         for r in j["requests"]:
             c = self.causes.get(r["id"])
             r["root_cause"] = c.to_json() if c else None
+            if r["id"] in self.unexplained:
+                r["root_cause_not_found"] = self.unexplained[r["id"]]
             r["confirmed"] = (c.confirmed if c else None) if self.confirm_requested else None
         j["groups"] = [{"kind": k[0], "step_b": k[1], "requests": v} for k, v in self.groups().items()]
         return j
@@ -352,6 +355,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     steps recording every op's output rows (analysis.replay.make_op_finder)."""
     d = diff_traces(a, b, bitwise=bitwise)
     causes: dict[str, RootCause] = {}
+    unexplained: dict[str, str] = {}
     hashed = a.has_kv_hashes and b.has_kv_hashes
     mode = "kv-hashes"
     replays = 0
@@ -361,8 +365,11 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
         if hashed:
             cause = find_root_cause(a, b, rd)
         elif replay_bisector is not None:
-            cause, n = replay_bisector(rd)
+            got = replay_bisector(rd)
+            cause, n = got[0], got[1]
             replays += n
+            if cause is None and len(got) > 2 and got[2]:
+                unexplained[rd.id] = got[2]
         else:
             cause = None
         if cause is not None:
@@ -378,4 +385,4 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     if op_finder is not None and hashed:
         for rid, cause in causes.items():
             cause.first_op, cause.first_op_detail = op_finder(cause, next(r for r in d.requests if r.id == rid))
-    return BisectReport(d, causes, mode, confirm or not hashed)
+    return BisectReport(d, causes, mode, confirm or not hashed, unexplained)

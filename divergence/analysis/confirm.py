@@ -250,13 +250,15 @@ class _ForcingRefused(Exception):
 
 
 def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):
-    """For traces recorded without KV hashes: binary search over B's steps.
+    """For traces recorded without KV hashes: binary search over B's steps. Returns
+    bisect_one(request_diff) -> (cause or None, replays, why none was found or None).
 
     f(m) = "replaying B with its target steps < m (those holding the request) run on
     the kernels of A's step that computed the same positions makes the request match
     A up to the flip". The smallest m with f(m) true names the latest step that had
     to be forced: O(log steps) replays, each one a proof rather than a correlation.
     """
+    from ..core.policy import SOLO
     from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, co_batched, finished_before, step_views
 
     def a_step_for(rid: str, until: int) -> dict[int, int]:
@@ -272,24 +274,58 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         return out
 
     def bisect_one(rd):
-        tok = rd.first_divergent_token
-        if tok is None:
-            return None, 0
-        a_of = a_step_for(rd.id, tok.step_a)
-        b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= tok.step_b
+        tok, num = rd.first_divergent_token, rd.first_numeric_divergence
+        if tok is not None:
+            n, pos, until_a, until_b, bitwise = tok.generated_index + 1, tok.position, tok.step_a, tok.step_b, False
+        elif num is not None:  # tokens equal, logits not (--bitwise): the search is on the bits
+            n, pos, until_a, until_b, bitwise = num.position - rd.prompt_len + 1, num.position, num.step_a, \
+                num.step_b, True
+        else:
+            return None, 0, None
+        a_of = a_step_for(rd.id, until_a)
+        b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= until_b
                    for s in p.slices if s.request_id == rd.id and s.start in a_of]
-        n = tok.generated_index + 1
-        want = [int(t) for t in a.tokens(rd.id).tokens[:n]]
+        ta = a.tokens(rd.id)
+        want = [int(t) for t in ta.tokens[:n]]
+        want_bits = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
         replays = 0
 
         def fixed(k: int) -> bool:  # force the first k of b_steps
+            return matches({sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]})
+
+        def matches(forced: dict) -> bool:
             nonlocal replays
             replays += 1
-            forced = {sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]}
-            return list(replayer.run(b, forced=forced).outputs[rd.id].tokens[:n]) == want
+            got = replayer.run(b, forced=forced).outputs[rd.id]
+            if list(got.tokens[:n]) != want:
+                return False
+            bits = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, want_bits.shape[1]).view(np.uint32)
+            return not bitwise or (bits.shape == want_bits.shape and bool((bits == want_bits).all()))
 
-        if not b_steps or not fixed(len(b_steps)):
-            return None, replays
+        if not b_steps:
+            return None, replays, f"no step of {label_b} up to {until_b} computed positions {label_a} computed too"
+        goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}" if bitwise
+                else f"makes {rd.id} match {label_a} up to the divergence")
+        if not fixed(len(b_steps)):
+            # a prefill chunked otherwise (B's chunks straddle A's): the prompt in A's passes
+            passes = prefill_as_a(a, b, rd.id, until_b + 1)
+            if passes and matches({**{sb: SOLO for sb, _ in b_steps}, **passes}):
+                step_b = min(passes)
+                first = passes[step_b]
+                sl = next(s for s in b.step_plan(step_b).slices if s.request_id == first.request_id)
+                step_a = a_of.get(first.start, a_of[min(a_of)])
+                va, vb, op = step_views(a, b, step_a, step_b)
+                co = co_batched(b, step_b, first.request_id)
+                cause = RootCause(CACHE_CONTAMINATION, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
+                                  finished_before(b, co, until_b), op=op)
+                cause.confirmed = True
+                cause.confirm_detail = (f"replaying {label_b} with {forcing_words(passes, label_a)} {goal}, where "
+                                        f"{rd.id}'s prompt had to be computed in {label_a}'s {len(passes)} prefill "
+                                        f"passes (its chunks in {label_b} straddle them; {replays} replays)")
+                return cause, replays, None
+            return None, replays, (f"not found by replay: {rd.id}'s {len(b_steps)} steps up to {until_b}, every one "
+                                   f"run as in {label_a}, still do not make it match (record KV hashes for a "
+                                   f"bisection by the cache)")
         lo, hi = 0, len(b_steps)  # fixed(hi) holds; find the smallest such k
         while lo < hi:
             mid = (lo + hi) // 2
@@ -298,20 +334,19 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             else:
                 lo = mid + 1
         if lo == 0:
-            return None, replays
+            return None, replays, f"not found by replay: {label_b} replayed with nothing forced already matches"
         step_b, start = b_steps[lo - 1]
         step_a = a_of[start]
         va, vb, op = step_views(a, b, step_a, step_b)
-        kind = STEP_COMPUTE if step_b == tok.step_b else CACHE_CONTAMINATION
+        kind = STEP_COMPUTE if step_b == until_b else CACHE_CONTAMINATION
         sl = next(s for s in b.step_plan(step_b).slices if s.request_id == rd.id)
         co = co_batched(b, step_b, rd.id)
         cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
-                          finished_before(b, co, tok.step_b), op=op)
+                          finished_before(b, co, until_b), op=op)
         cause.confirmed = True
-        cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} on {label_a}'s kernels makes "
-                                f"{rd.id} match {label_a} up to the divergence, and without step {step_b} it does not "
-                                f"({replays} replays)")
-        return cause, replays
+        cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} run as in {label_a} {goal}, and "
+                                f"without step {step_b} it does not ({replays} replays)")
+        return cause, replays, None
 
     return bisect_one
 

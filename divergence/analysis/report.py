@@ -30,7 +30,7 @@ def _logits_differ(r: RequestDiff) -> str:
 
 
 def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
-                  confirm_requested: bool = False) -> list[str]:
+                  confirm_requested: bool = False, not_found: str | None = None) -> list[str]:
     if r.status == MISSING:
         return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
     tokens = f"{r.compared} token{'s' if r.compared != 1 else ''}"
@@ -64,6 +64,8 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
                          f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
     if cause is not None:
         lines += cause_lines(r, cause, label_a, label_b, confirm_requested)
+    elif not_found:
+        lines.append(f"    root cause: {not_found}")
     if r.truncated:
         lines.append("    (compared up to the end of an incomplete trace)")
     return lines
@@ -200,7 +202,8 @@ def render_bisect(b: BisectReport, vocab=None) -> str:
     for p in d.incomplete:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
-        lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested)
+        lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested,
+                               b.unexplained.get(r.id))
     groups = [(k, v) for k, v in b.groups().items() if len(v) > 1]
     for (kind, step), ids in groups:
         lines.append(f"shared root cause: {', '.join(sorted(ids))} trace back to the same {d.label_b} step {step}")

@@ -27,11 +27,11 @@ pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
                                        "row's bits do not depend on its pass, and the schedules do not differ")
 
 
-def _run(loaded, out, schedules=("serial", "concurrent"), *, budget=20, long=50):
+def _run(loaded, out, schedules=("serial", "concurrent"), *, budget=20, long=50, kv_hashes=True):
     reqs = [Request("S", tuple(loaded.encode("Return the number of")), max_tokens=24),
             Request("T", tuple(loaded.encode("If the object")), max_tokens=24),
             Request("L", tuple(range(7, 7 + long)), max_tokens=8, arrival=2)]
-    cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=budget, stop_at_eos=False)
+    cfg = RunConfig(model=loaded.path, dtype="float32", token_budget=budget, stop_at_eos=False, kv_hashes=kv_hashes)
     run_schedules(cfg, loaded, None, reqs, schedules, out)
     return [out / f"{s}.h5" for s in schedules]
 
@@ -113,3 +113,21 @@ def test_passes_b_took_in_fewer_steps_run_one_after_the_other(random_model, tmp_
         report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
         cause = report.causes.get("L")
         assert cause is not None and cause.confirmed, render_bisect(report)
+
+
+def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunking(random_model, tmp_path):
+    """No KV hashes: bisect searches B's steps by replay. Logit-only divergences (--bitwise)
+    get a cause too, and where no forcing of single steps helps, the prompt in A's passes."""
+    from divergence.analysis.replay import make_replay_bisector
+
+    loaded = random_model("llama", dtype="float32")
+    pa, pb = _run(loaded, tmp_path, kv_hashes=False)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        assert not b.has_kv_hashes
+        report = bisect_traces(a, b, bitwise=True, replay_bisector=make_replay_bisector(a, b, Replayer()))
+        diverged = [r.id for r in report.diff.requests if r.status == "diverged"]
+        assert "L" in diverged and all(report.diff.requests[i].logits_only for i, r in
+                                       enumerate(report.diff.requests) if r.id in diverged)
+        assert set(report.causes) == set(diverged) and not report.unexplained, render_bisect(report)
+        assert all(c.confirmed for c in report.causes.values())
+        assert "prefill passes" in report.causes["L"].confirm_detail, report.causes["L"].confirm_detail
