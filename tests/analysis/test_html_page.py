@@ -178,3 +178,17 @@ def test_root_cause_keys_added_later_are_shown_and_missing_ones_tolerated(tmp_pa
     self_contained(html)
     assert "<th class=kv>first_op_that_differed</th>" in html and "&quot;op&quot;: &quot;k_proj&quot;" in html
     assert "root cause: cache contamination" in html
+
+
+def test_a_cause_the_replay_bisection_did_not_find_is_said_on_the_page(tmp_path):
+    """No KV hashes and a bisector that finds nothing: the request's card and the text report
+    both say why, not only that there is no cause."""
+    pa = story.write_run(tmp_path / "serial.h5", "serial", kv_hashes=False)
+    pb = story.write_run(tmp_path / "concurrent.h5", "concurrent", kv_hashes=False)
+    why = "not found by replay: its 3 steps, every one run as in serial, still do not make it match"
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        rep = bisect_traces(a, b, replay_bisector=lambda rd: (None, 1, why))
+        assert rep.unexplained and not rep.causes
+        html, text = render_html(rep, a, b), render_bisect(rep, a.vocab)
+        assert f"root cause: {why}" in text and why in html
+        assert all(r.get("root_cause_not_found") == why for r in rep.to_json()["requests"] if r["id"] in rep.unexplained)

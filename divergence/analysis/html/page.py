@@ -107,7 +107,8 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
         rd = by_id.get(r["id"])
         cause_obj = report.causes.get(r["id"]) if hasattr(report, "causes") else None
         lines = request_lines(rd, d.label_a, d.label_b, vocab, cause_obj,
-                              getattr(report, "confirm_requested", False)) if rd is not None else []
+                              getattr(report, "confirm_requested", False),
+                              getattr(report, "unexplained", {}).get(r["id"])) if rd is not None else []
         rc = r.get("root_cause") or {}
         any_cause = any_cause or bool(rc)
         out.append(f"<div class='card bad' id='cause-{esc(r['id'])}'><h3>{esc(r['id'])}: {esc(_headline(rc, d.label_b))}"
