@@ -65,10 +65,15 @@ def build_report(args, a, b):
             raise DivergenceInputError("--confirm replays with divergence's engine, --confirm-cmd with yours: "
                                        "give one")
         replayer = make_command_confirmer(a, b, confirm_cmd, *labels)
-    ops = getattr(args, "ops", None)
-    ops = bool(args.confirm) if ops is None else ops
+    asked = getattr(args, "ops", None)
+    ops = bool(args.confirm) if asked is None else asked
     if confirm_cmd or _foreign(a, b) or max(a.tp_degree, b.tp_degree) > 1:
-        ops = False  # nothing of ours to replay op by op (another engine's traces, sharded runs)
+        if asked:  # nothing of ours to replay op by op (another engine's traces, sharded runs)
+            why = ("they are another engine's" if confirm_cmd or _foreign(a, b) else
+                   f"a TP={max(a.tp_degree, b.tp_degree)} run is sharded")
+            print(f"note: --ops replays one device op by op with divergence's engine, and {why}: the first op "
+                  f"that differed is not looked for", file=sys.stderr)
+        ops = False
     op_finder = None
     if confirm_cmd:
         pass

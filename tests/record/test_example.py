@@ -128,3 +128,11 @@ def test_without_kv_hashes_bisect_diffs_and_does_not_try_replay(pair, tmp_path, 
     rc, b = run_json(["bisect", *paths], capsys)
     assert rc == 1 and b["mode"].startswith("none") and b["requests"][0]["root_cause"] is None
     assert b["requests"][0]["first_divergent_token"]["position"] == 43
+
+
+def test_ops_asked_for_foreign_traces_says_it_is_not_looked_for(pair, capsys):
+    capsys.readouterr()
+    assert main(["bisect", str(pair[0]), str(pair[1]), "--ops"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["note: --ops replays one device op by op with divergence's engine, and they are another "
+                   "engine's: the first op that differed is not looked for"], err
