@@ -67,21 +67,7 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
     from ..core.policy import RelayoutStep, SoloStep
 
     def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
-        try:
-            got = replayer.run(b, forced=forced).outputs[rid]
-        except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
-            raise _ForcingRefused(str(e)) from e
-        ta = a.tokens(rid)
-        want = [int(t) for t in ta.tokens[:n]]
-        same = list(got.tokens[:n]) == want
-        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
-        lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
-        bitwise = same and la.shape == lb.shape and bool((la == lb).all())
-        first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
-        if first is None and not bitwise and la.shape == lb.shape:
-            bad = np.flatnonzero((la != lb).any(axis=1))
-            first = int(bad[0]) if bad.size else None
-        return same, bitwise, first
+        return _replay_matches(a, b, replayer, rid, forced, n)
 
     def decision(forced: dict, rid: str, position: int, purpose: str, until: int):
         """The replay's own draw of (request, position, purpose) with these steps forced."""
@@ -229,8 +215,7 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
             ok4, exact4, _ = check(forced4)
             if ok4:
                 return True, (f"replaying {label_b} with {forcing_words(forced4, label_a)} {goal}{exact4}, where "
-                              f"{rd.id}'s prompt had to be computed in {label_a}'s {len(passes)} prefill passes "
-                              f"(its chunks in {label_b} straddle them)")
+                              f"{_in_a_passes(rd.id, len(passes), label_a, label_b)})")
         if len(pairs) > 1:
             return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
                            f"{forcing_words(forced2, label_a)} it differs at {where(first2)}")
@@ -247,6 +232,33 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
 
 class _ForcingRefused(Exception):
     """A forced replay that could not run (its relayout does not fit the recorded plans)."""
+
+
+def _replay_matches(a, b, replayer, rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+    """Replay B with `forced`: (its first n tokens of `rid` are A's, and bit for bit with their
+    top-k logits, the first of them that differs or None). Raises _ForcingRefused where the
+    replay cannot lay the forcing out."""
+    try:
+        got = replayer.run(b, forced=forced).outputs[rid]
+    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
+        raise _ForcingRefused(str(e)) from e
+    ta = a.tokens(rid)
+    want = [int(t) for t in ta.tokens[:n]]
+    same = list(got.tokens[:n]) == want
+    la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+    lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
+    bitwise = same and la.shape == lb.shape and bool((la == lb).all())
+    first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
+    if first is None and not bitwise and la.shape == lb.shape:
+        bad = np.flatnonzero((la != lb).any(axis=1))
+        first = int(bad[0]) if bad.size else None
+    return same, bitwise, first
+
+
+def _in_a_passes(rid: str, n: int, label_a: str, label_b: str) -> str:
+    """Why a confirmation computed the request's prompt in A's prefill passes (prefill_as_a)."""
+    return (f"{rid}'s prompt had to be computed in {label_a}'s {n} prefill passes (its chunks in {label_b} "
+            f"straddle them")
 
 
 def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):
@@ -285,9 +297,6 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         a_of = a_step_for(rd.id, until_a)
         b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= until_b
                    for s in p.slices if s.request_id == rd.id and s.start in a_of]
-        ta = a.tokens(rd.id)
-        want = [int(t) for t in ta.tokens[:n]]
-        want_bits = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
         replays = 0
 
         def fixed(k: int) -> bool:  # force the first k of b_steps
@@ -296,11 +305,8 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         def matches(forced: dict) -> bool:
             nonlocal replays
             replays += 1
-            got = replayer.run(b, forced=forced).outputs[rd.id]
-            if list(got.tokens[:n]) != want:
-                return False
-            bits = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, want_bits.shape[1]).view(np.uint32)
-            return not bitwise or (bits.shape == want_bits.shape and bool((bits == want_bits).all()))
+            same, exact, _ = _replay_matches(a, b, replayer, rd.id, forced, n)
+            return exact if bitwise else same
 
         if not b_steps:
             return None, replays, f"no step of {label_b} up to {until_b} computed positions {label_a} computed too"
@@ -320,8 +326,7 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
                                   finished_before(b, co, until_b), op=op)
                 cause.confirmed = True
                 cause.confirm_detail = (f"replaying {label_b} with {forcing_words(passes, label_a)} {goal}, where "
-                                        f"{rd.id}'s prompt had to be computed in {label_a}'s {len(passes)} prefill "
-                                        f"passes (its chunks in {label_b} straddle them; {replays} replays)")
+                                        f"{_in_a_passes(rd.id, len(passes), label_a, label_b)}; {replays} replays)")
                 return cause, replays, None
             return None, replays, (f"not found by replay: {rd.id}'s {len(b_steps)} steps up to {until_b}, every one "
                                    f"run as in {label_a}, still do not make it match (record KV hashes for a "
