@@ -286,6 +286,12 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         return out
 
     def bisect_one(rd):
+        try:
+            return search(rd)
+        except _ForcingRefused as e:
+            return None, 0, f"not found by replay: the replay refused a forcing it needed ({e})"
+
+    def search(rd):
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         if tok is not None:
             n, pos, until_a, until_b, bitwise = tok.generated_index + 1, tok.position, tok.step_a, tok.step_b, False

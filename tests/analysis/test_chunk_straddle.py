@@ -131,3 +131,23 @@ def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunk
         assert set(report.causes) == set(diverged) and not report.unexplained, render_bisect(report)
         assert all(c.confirmed for c in report.causes.values())
         assert "prefill passes" in report.causes["L"].confirm_detail, report.causes["L"].confirm_detail
+
+
+def test_without_kv_hashes_a_forcing_the_replay_refuses_is_said(random_model, tmp_path, monkeypatch):
+    """The replay bisection's fallback (the prompt in A's passes) refused by the replay: the
+    request says why it has no cause; the bisect goes on."""
+    import divergence.engine.replay as engine_replay
+    from divergence.analysis.replay import make_replay_bisector
+
+    def refuse(plans, sites, forced, requests):
+        if any(isinstance(v, RelayoutStep) for v in forced.values()):
+            raise ValueError("no relayout today")
+        return plans, sites, forced
+
+    monkeypatch.setattr(engine_replay, "relayout", refuse)
+    loaded = random_model("llama", dtype="float32")
+    pa, pb = _run(loaded, tmp_path, kv_hashes=False)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        report = bisect_traces(a, b, bitwise=True, replay_bisector=make_replay_bisector(a, b, Replayer()))
+        assert "L" not in report.causes
+        assert report.unexplained["L"] == "not found by replay: the replay refused a forcing it needed (no relayout today)"
