@@ -94,15 +94,12 @@ def replay_plans(
 ) -> RunResult:
     """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
     op outputs for one request. stop_after: end after that step."""
-    # where each request's first slice started as recorded: a relayout that recomputes from an
-    # earlier position still finds the recorded prefix-cache hit (and writes over its blocks)
-    recorded_start: dict[tuple[str, str], int] = {}
-    for p in plans:
-        for s in p.slices:
-            recorded_start.setdefault((p.model, s.request_id), s.start)
+    recorded = _first_starts(plans)
     plans, sites, forced = relayout(plans, sites, dict(forced or {}), requests)
+    # a relayout that recomputes part of a prefix hit (from past 0) still admits the request at
+    # the recorded hit, and writes over the shared blocks
+    admit_at = {key: recorded[key] for key, start in _first_starts(plans).items() if 0 < start < recorded[key]}
     run = engine.recorded_run(requests, schedule, forced=forced)  # recorded under the original schedule's name
-    run.recorded_start = recorded_start
     last_seen: dict[str, int] = {}
     reserve = {r.id: 0 for r in requests}
     for p in plans:
@@ -122,7 +119,8 @@ def replay_plans(
     try:
         for plan in plans:
             tapping = tap is not None and plan.index == tap.step
-            launch, sampled = run.step_recorded(plan, reserve, tap=tap.bind(plan) if tapping else None)
+            launch, sampled = run.step_recorded(plan, reserve, tap=tap.bind(plan) if tapping else None,
+                                                admit_at=admit_at)
             if tapping:
                 tap.finish()
             if plan.model == DRAFT_MODEL:
@@ -253,6 +251,15 @@ def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
         purpose = t["purpose"][i]
         purpose = purpose if isinstance(purpose, str) else DRAW_PURPOSES[int(purpose)]
         out[(ids[int(t["request"][i])], int(t["position"][i]), str(purpose))] = float(t["value"][i])
+    return out
+
+
+def _first_starts(plans: list[StepPlan]) -> dict[tuple[str, str], int]:
+    """(model, request) -> the start of the request's first slice."""
+    out: dict[tuple[str, str], int] = {}
+    for p in plans:
+        for s in p.slices:
+            out.setdefault((p.model, s.request_id), s.start)
     return out
 
 

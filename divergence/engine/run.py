@@ -98,7 +98,6 @@ class Run:
         self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
         self._done_at = 0.0  # when the last collected step's results arrived
         self._side = None  # a second stream for host-side conversions (see emit_step_writes)
-        self.recorded_start: dict[tuple[str, str], int] = {}  # replay: (model, request) -> first slice start
         self._t0 = 0.0
 
     def _sequence(self, r: Request) -> Sequence:
@@ -273,18 +272,18 @@ class Run:
     def emit_request(self, event: RequestEvent) -> None:
         self.e._emit("on_request", event)
 
-    def step_recorded(self, plan: StepPlan, reserve: dict[str, int], *, tap=None) -> tuple[Launch, smp.Sampled]:
+    def step_recorded(self, plan: StepPlan, reserve: dict[str, int], *, tap=None,
+                      admit_at: dict | None = None) -> tuple[Launch, smp.Sampled]:
         """Replay: run a recorded plan exactly (teacher-forced), admitting its requests as the
         recording did; returns the collected step (kernels and KV writes emitted). tap: the
-        forward's per-op output tap for this step (see forward.py)."""
+        forward's per-op output tap for this step (see forward.py). admit_at: (model, request) ->
+        the position to admit it at, where it is not its first slice's start (a relayout
+        recomputing part of a recorded prefix hit)."""
         state = self.state(plan.model)
         prefix = state.blocks.prefix_caching
         for s in plan.slices:
             if s.request_id not in state.blocks.tables:
-                start = s.start  # a relayout recomputing part of a prefix hit admits at the recorded hit
-                recorded = self.recorded_start.get((plan.model, s.request_id), start)
-                if 0 < start < recorded:
-                    start = recorded
+                start = (admit_at or {}).get((plan.model, s.request_id), s.start)
                 matched = admit_recorded(state.blocks, self.by_id[s.request_id], reserve[s.request_id], start,
                                          prefix=prefix)
                 if matched and self.want_kv:
