@@ -348,8 +348,9 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
                   bitwise: bool = False, op_finder=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
     replays B with the root-cause step forced to A's kernels (see analysis.replay).
-    Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays):
-    a binary search over steps by replay (analysis.replay.make_replay_bisector).
+    Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays) or
+    (cause, replays, why no cause was found): a binary search over steps by replay
+    (analysis.replay.make_replay_bisector); the why goes to BisectReport.unexplained.
     bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
     op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
     steps recording every op's output rows (analysis.replay.make_op_finder)."""
