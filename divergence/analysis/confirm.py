@@ -305,6 +305,16 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
                    for s in p.slices if s.request_id == rd.id and s.start in a_of]
         replays = 0
 
+        def found(kind: str, step_a: int, step_b: int, who: str, detail: str):
+            """The confirmed cause: `who`'s slice of B's step_b, against A's step_a."""
+            va, vb, op = step_views(a, b, step_a, step_b)
+            sl = next(s for s in b.step_plan(step_b).slices if s.request_id == who)
+            co = co_batched(b, step_b, who)
+            cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
+                              finished_before(b, co, until_b), op=op)
+            cause.confirmed, cause.confirm_detail = True, detail
+            return cause, replays, None
+
         def fixed(k: int) -> bool:  # force the first k of b_steps
             return matches({sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]})
 
@@ -324,16 +334,9 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             if passes and matches({**{sb: SOLO for sb, _ in b_steps}, **passes}):
                 step_b = min(passes)
                 first = passes[step_b]
-                sl = next(s for s in b.step_plan(step_b).slices if s.request_id == first.request_id)
-                step_a = a_of.get(first.start, a_of[min(a_of)])
-                va, vb, op = step_views(a, b, step_a, step_b)
-                co = co_batched(b, step_b, first.request_id)
-                cause = RootCause(CACHE_CONTAMINATION, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
-                                  finished_before(b, co, until_b), op=op)
-                cause.confirmed = True
-                cause.confirm_detail = (f"replaying {label_b} with {forcing_words(passes, label_a)} {goal}, where "
-                                        f"{_in_a_passes(rd.id, len(passes), label_a, label_b)}; {replays} replays)")
-                return cause, replays, None
+                return found(CACHE_CONTAMINATION, a_of.get(first.start, a_of[min(a_of)]), step_b, first.request_id,
+                             f"replaying {label_b} with {forcing_words(passes, label_a)} {goal}, where "
+                             f"{_in_a_passes(rd.id, len(passes), label_a, label_b)}; {replays} replays)")
             return None, replays, (f"not found by replay: {rd.id}'s {len(b_steps)} steps up to {until_b}, every one "
                                    f"run as in {label_a}, still do not make it match (record KV hashes for a "
                                    f"bisection by the cache)")
@@ -347,17 +350,9 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         if lo == 0:
             return None, replays, f"not found by replay: {label_b} replayed with nothing forced already matches"
         step_b, start = b_steps[lo - 1]
-        step_a = a_of[start]
-        va, vb, op = step_views(a, b, step_a, step_b)
-        kind = STEP_COMPUTE if step_b == until_b else CACHE_CONTAMINATION
-        sl = next(s for s in b.step_plan(step_b).slices if s.request_id == rd.id)
-        co = co_batched(b, step_b, rd.id)
-        cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
-                          finished_before(b, co, until_b), op=op)
-        cause.confirmed = True
-        cause.confirm_detail = (f"replaying {label_b} with its steps up to {step_b} run as in {label_a} {goal}, and "
-                                f"without step {step_b} it does not ({replays} replays)")
-        return cause, replays, None
+        return found(STEP_COMPUTE if step_b == until_b else CACHE_CONTAMINATION, a_of[start], step_b, rd.id,
+                     f"replaying {label_b} with its steps up to {step_b} run as in {label_a} {goal}, and without "
+                     f"step {step_b} it does not ({replays} replays)")
 
     return bisect_one
 
