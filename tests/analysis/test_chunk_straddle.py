@@ -27,6 +27,19 @@ pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
                                        "row's bits do not depend on its pass, and the schedules do not differ")
 
 
+@pytest.fixture
+def no_relayout(monkeypatch):
+    """The replay refuses every relayout (as it refuses one that does not fit the plans)."""
+    import divergence.engine.replay as engine_replay
+
+    def refuse(plans, sites, forced, requests):
+        if any(isinstance(v, RelayoutStep) for v in forced.values()):
+            raise ValueError("no relayout today")
+        return plans, sites, forced
+
+    monkeypatch.setattr(engine_replay, "relayout", refuse)
+
+
 def _run(loaded, out, schedules=("serial", "concurrent"), *, budget=20, long=50, kv_hashes=True):
     reqs = [Request("S", tuple(loaded.encode("Return the number of")), max_tokens=24),
             Request("T", tuple(loaded.encode("If the object")), max_tokens=24),
@@ -80,17 +93,9 @@ def test_a_prefill_from_the_warm_up_copy_is_confirmed_in_the_other_traces_passes
         assert cause is not None and cause.confirmed, render_bisect(report)
 
 
-def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model, tmp_path, monkeypatch):
+def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model, tmp_path, no_relayout):
     """A forced replay that cannot be laid out (here: every relayout refused) is reported as
     an unconfirmed cause with the reason; the bisect of the other requests goes on."""
-    import divergence.engine.replay as engine_replay
-
-    def refuse(plans, sites, forced, requests):
-        if any(isinstance(v, RelayoutStep) for v in forced.values()):
-            raise ValueError("no relayout today")
-        return plans, sites, forced
-
-    monkeypatch.setattr(engine_replay, "relayout", refuse)
     loaded = random_model("llama", dtype="float32")
     pa, pb = _run(loaded, tmp_path)
     with Trace.open(pa) as a, Trace.open(pb) as b:
@@ -133,18 +138,10 @@ def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunk
         assert "prefill passes" in report.causes["L"].confirm_detail, report.causes["L"].confirm_detail
 
 
-def test_without_kv_hashes_a_forcing_the_replay_refuses_is_said(random_model, tmp_path, monkeypatch):
+def test_without_kv_hashes_a_forcing_the_replay_refuses_is_said(random_model, tmp_path, no_relayout):
     """The replay bisection's fallback (the prompt in A's passes) refused by the replay: the
     request says why it has no cause; the bisect goes on."""
-    import divergence.engine.replay as engine_replay
     from divergence.analysis.replay import make_replay_bisector
-
-    def refuse(plans, sites, forced, requests):
-        if any(isinstance(v, RelayoutStep) for v in forced.values()):
-            raise ValueError("no relayout today")
-        return plans, sites, forced
-
-    monkeypatch.setattr(engine_replay, "relayout", refuse)
     loaded = random_model("llama", dtype="float32")
     pa, pb = _run(loaded, tmp_path, kv_hashes=False)
     with Trace.open(pa) as a, Trace.open(pb) as b:
