@@ -36,7 +36,7 @@ def main(args) -> int:
     from ..analysis.report import render_bisect
     from .html_page import check_out, write_page
 
-    html = check_out(args.html) if getattr(args, "html", None) else None
+    html = check_out(args.html, inputs=(args.a, args.b)) if getattr(args, "html", None) else None
     a, b = open_pair(args.a, args.b)
     with a, b:
         report = build_report(args, a, b)

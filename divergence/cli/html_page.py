@@ -4,24 +4,25 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import DivergenceInputError
+from .paths import check_output_file
 
 
-def check_out(path) -> Path:
-    """The page's path, refused before any work when it can't be a file."""
-    p = Path(path)
-    if p.is_dir():
-        raise DivergenceInputError(f"--html {p} is a directory; name the page's file, e.g. {p / 'report.html'}")
-    if p.parent.exists() and not p.parent.is_dir():
-        raise DivergenceInputError(f"--html {p}: {p.parent} is not a directory")
-    return p
+def check_out(path, inputs=()) -> Path:
+    """The page's path, refused before any work when it can't be a file, or is one of `inputs`
+    (the traces: `report A B --html A` would destroy A)."""
+    return check_output_file(path, flag="--html", inputs=inputs)
 
 
 def write_page(report, a, b, path) -> str:
-    """Write the page; returns the line to tell the user."""
-    from ..analysis.html import write_html
+    """Write the page atomically (a failed write keeps an old page); returns the line to tell the user."""
+    from ..analysis.html import render_html
+    from ..core.atomic import write_atomic
 
+    p = Path(path)
+    text = render_html(report, a, b)
     try:
-        p = write_html(report, a, b, path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(p, text)
     except OSError as e:
         raise DivergenceInputError(f"cannot write {path}: {e.strerror or e}") from None
     return f"html report: {p} ({p.stat().st_size / 1024:.0f} KiB)"

@@ -16,7 +16,9 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from ..record.jsonl import import_records
+    from .paths import check_output_file
 
+    check_output_file(args.out, flag="--out", inputs=_inputs(args.src))
     counts = import_records(args.src, args.out)
     if args.json:
         emit_json({"trace": args.out, **counts})
@@ -24,3 +26,14 @@ def main(args) -> int:
         print(f"{args.out}: {counts['requests']} requests, {counts['steps']} steps, {counts['tokens']} tokens "
               f"(from {args.src})")
     return 0
+
+
+def _inputs(src) -> list:
+    """The paths `import` reads: SRC, and a directory's .jsonl files."""
+    from pathlib import Path
+
+    p = Path(src)
+    try:
+        return [p, *sorted(p.glob("*.jsonl"))] if p.is_dir() else [p]
+    except OSError:
+        return [p]

@@ -21,7 +21,10 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from ..analysis.replay import replay
+    from .paths import check_output_file
 
+    if args.out:  # before any work: not the input trace, not a directory, in a writable place
+        check_output_file(args.out, flag="--out", inputs=(args.trace,))
     r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft)
     if args.json:
         emit_json(r.to_json())

@@ -13,7 +13,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    out = check_out(args.html)
+    out = check_out(args.html, inputs=(args.a, args.b))
     a, b = open_pair(args.a, args.b)
     with a, b:
         report = bisect_cmd.build_report(args, a, b)

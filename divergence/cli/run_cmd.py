@@ -51,6 +51,9 @@ def main(args) -> int:
             raise PromptError(f"unknown schedule {s!r} (expected serial, concurrent or warm)")
     if len(set(schedules)) != len(schedules) or not schedules:
         raise PromptError("--schedules needs distinct schedule names")
+    from .paths import check_output_dir
+
+    check_output_dir(args.out, files=[f"{s}.h5" for s in schedules], inputs=[args.prompts] if args.prompts else ())
     policy = args.policy or (DEMO_POLICY if demo and args.policy is None else "native")
     KernelPolicy.parse(policy)
     spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
