@@ -104,3 +104,50 @@ def test_demo_page_renders_in_headless_chromium(demo_page, tmp_path):
     ink = sum(n for n, c in colors if c != background) / (320 * 600)
     # a blank (or error) page is one colour; this one has text, tables and plots
     assert len(colors) > 200 and ink > 0.15, (len(colors), ink)
+
+
+def test_browser_and_page_count_the_same_kv_cells_the_divergent_step_read(demo_page):
+    """One function (analysis.kv_grid) decides which cells the divergent step read; the KV screen's
+    title and the page's heat map give the same "N of M cells differ" for the demo's r1."""
+    import asyncio
+
+    from divergence.analysis.kv_grid import divergent_read
+    from divergence.trace.reader import Trace
+    from divergence.tui.app import BrowseApp
+    from divergence.tui.data import BrowseData
+    from divergence.tui.screens.kv import KvScreen
+
+    a, b, page = demo_page
+    html = page.read_text(encoding="utf-8")
+    counts = re.findall(r"(\d+) of (\d+) cells differ", html)
+    assert len(counts) == 1, counts  # one diverged request: r1
+    on_page = tuple(map(int, counts[0]))
+
+    data = BrowseData.open(a, b)
+    try:
+        data.analyse()
+        rid = next(r.id for r in data.request_rows() if r.diverged)
+        grid = data.kv_grid(rid, data.kv_default_steps(rid))
+        assert grid.read_count() == on_page
+        # the grid shows more positions than the step read (its own verify rows' writes, ...):
+        # counting all of them is what made the two disagree
+        assert len(grid.positions) > grid.read_before
+        d = data.request_diff(rid).first_divergent_token
+        with Trace.open(a) as ta, Trace.open(b) as tb:
+            assert divergent_read(ta, tb, rid, d.position, d.step_a, d.step_b).read_count(None) == on_page
+
+        async def title() -> str:
+            app = BrowseApp(data, analyse=False)
+            async with app.run_test(size=(160, 48)) as pilot:
+                app.current_request = rid
+                await pilot.press("k")
+                for _ in range(50):
+                    await pilot.pause(0.05)
+                    await app.workers.wait_for_complete()
+                    if isinstance(app.screen, KvScreen) and app.screen.grid is not None:
+                        break
+                return str(app.screen.query_one("#kv-title").content)
+
+        assert f"{on_page[0]} of {on_page[1]} cells differ" in asyncio.run(title())
+    finally:
+        data.close()

@@ -12,6 +12,7 @@ import numpy as np
 
 from ...core.labels import compact_labels, kernel_label
 from ...core.names import MODELS, TARGET
+from ..kv_grid import divergent_read
 
 # KV grid cell states (the heat map's colour index)
 KV_ABSENT, KV_EQUAL, KV_DIFFER, KV_DIFFER_CAUSE = 0, 1, 2, 3
@@ -195,39 +196,22 @@ def kv_grid(a, b, rid: str, pos: int, step_a: int, step_b: int, cause_step_b: in
     or differing and written by the root-cause step. None without KV hashes."""
     if not (a.has_kv_hashes and b.has_kv_hashes):
         return None
-    la = a.live_kv(rid, model=TARGET, at_step=step_a)
-    lb = b.live_kv(rid, model=TARGET, at_step=step_b)
-    layers = num_layers or int(max([0] + [int(x.max()) + 1 for x in (la["layer"], lb["layer"]) if len(x)]))
-    cells = np.full((max(layers, 1), max(pos, 1)), KV_ABSENT, np.int8)
-    ka, va_ = _grid(la, cells.shape, "k_hash"), _grid(la, cells.shape, "v_hash")
-    kb, vb_ = _grid(lb, cells.shape, "k_hash"), _grid(lb, cells.shape, "v_hash")
-    present = ka[1] & kb[1]
-    differ = present & ((ka[0] != kb[0]) | (va_[0] != vb_[0]))
-    cells[present] = KV_EQUAL
-    cells[differ] = KV_DIFFER
+    read = divergent_read(a, b, rid, pos, step_a, step_b, num_layers=num_layers)
+    layers = max(len(read.layers), 1)
+    cells = np.full((layers, max(pos, 1)), KV_ABSENT, np.int8)
+    both, differ = read.both, read.differs
+    L, P = both.shape
+    view = cells[:L, :P]
+    view[both] = KV_EQUAL
+    view[differ] = KV_DIFFER
     if cause_step_b is not None:
-        steps_b = _grid(lb, cells.shape, "step")[0]
-        cells[differ & (steps_b == cause_step_b)] = KV_DIFFER_CAUSE
-    earliest = None
-    if differ.any():
-        # earliest = lowest position, then lowest layer (as bisect orders cells)
-        p = int(np.flatnonzero(differ.any(axis=0))[0])
-        earliest = (int(np.flatnonzero(differ[:, p])[0]), p)
-    n_differ, n_cells = int(differ.sum()), int(present.sum())
+        view[differ & (read.step[1] == cause_step_b)] = KV_DIFFER_CAUSE
+    earliest = read.earliest()
+    n_differ, n_cells = read.read_count(None)
     if cells.shape[1] > KV_COLUMNS:  # the raster stays small; the worst state of each bin shows
         starts = np.linspace(0, cells.shape[1], KV_COLUMNS + 1).astype(np.int64)[:-1]
         cells = np.maximum.reduceat(cells, starts, axis=1)
     return KvGrid(rid, cells, earliest, cause_step_b, (step_a, step_b), n_differ, pos, n_cells)
-
-
-def _grid(live: dict, shape, col: str):
-    vals = np.zeros(shape, np.asarray(live[col]).dtype if len(live[col]) else np.int64)
-    seen = np.zeros(shape, bool)
-    layer, position = np.asarray(live["layer"], np.int64), np.asarray(live["position"], np.int64)
-    keep = (position < shape[1]) & (layer < shape[0])
-    vals[layer[keep], position[keep]] = np.asarray(live[col])[keep]
-    seen[layer[keep], position[keep]] = True
-    return vals, seen
 
 
 # -- step timeline ---------------------------------------------------------------------------

@@ -1,10 +1,14 @@
-"""One request's live KV writes as a layer x position grid, A against B."""
+"""One request's live KV writes as a layer x position grid, A against B.
+
+The cells and what counts as "differs" come from divergence.analysis.kv_grid, which
+the HTML page uses too: both count the cells the divergent step read the same way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
 
+from ...analysis.kv_grid import KvCells, live_cells
 from ...trace.reader import Trace
 
 
@@ -24,43 +28,30 @@ class KvGrid:
     one_sided: np.ndarray  # bool [L, P]: written on one side only
     earliest: tuple[int, int] | None  # (layer row, position) of the earliest differing cell
     two: bool
+    cells: KvCells | None = None
+    read_before: int | None = None  # at the divergent step: the divergent position (it read positions < it)
 
     @property
     def num_differ(self) -> int:
         return int(self.differs.sum())
 
+    def read_count(self) -> tuple[int, int]:
+        """(cells that differ, cells both sides hold): at the divergent step, of the positions it read
+        (the count the HTML page shows); otherwise of the whole grid."""
+        if self.cells is None:
+            return self.num_differ, int((self.step >= 0).all(axis=0).sum())
+        return self.cells.read_count(self.read_before)
 
-def kv_grid(traces: list[Trace], request_id: str, prompt_len: int, at_steps: tuple = (None, None)) -> KvGrid:
-    """The target model's live KV of the request in one trace or a pair, read at at_steps (per side)."""
-    two = len(traces) == 2
-    lives = []
-    for s, t in enumerate(traces):
-        try:
-            lives.append(t.live_kv(request_id, model="target", at_step=at_steps[s]))
-        except KeyError:  # the request is not in this trace
-            lives.append({k: np.zeros(0, np.int64) for k in ("layer", "position", "step", "k_hash", "v_hash")})
-    layers = np.unique(np.concatenate([np.asarray(lv["layer"], np.int64) for lv in lives]))
-    top = max((int(np.max(lv["position"])) for lv in lives if len(lv["position"])), default=-1)
-    positions = np.arange(top + 1)
-    L, P, S = len(layers), len(positions), 2
-    step = np.full((S, L, P), -1, np.int64)
-    kh = np.zeros((S, L, P), np.uint64)
-    vh = np.zeros((S, L, P), np.uint64)
-    for s, lv in enumerate(lives):
-        li = np.searchsorted(layers, np.asarray(lv["layer"], np.int64))
-        p = np.asarray(lv["position"], np.int64)
-        step[s, li, p] = lv["step"]
-        kh[s, li, p] = lv["k_hash"]
-        vh[s, li, p] = lv["v_hash"]
-    if two:
-        w0, w1 = step[0] >= 0, step[1] >= 0
-        differs = w0 & w1 & ((kh[0] != kh[1]) | (vh[0] != vh[1]))
-        one_sided = w0 ^ w1
-    else:
-        differs = one_sided = np.zeros((L, P), bool)
-    earliest = None
-    if differs.any():
-        pos_any = np.flatnonzero(differs.any(axis=0))[0]
-        earliest = (int(np.flatnonzero(differs[:, pos_any])[0]), int(pos_any))
-    return KvGrid(request_id, prompt_len, layers, positions, tuple(at_steps[:2]), step, kh, vh,
-                  differs, one_sided, earliest, two)
+
+def kv_grid(traces: list[Trace], request_id: str, prompt_len: int, at_steps: tuple = (None, None),
+            read_before: int | None = None) -> KvGrid:
+    """The target model's live KV of the request in one trace or a pair, read at at_steps (per side).
+    read_before: the position whose computation read this cache (counts cover positions < it)."""
+    c = live_cells(traces, request_id, at_steps)
+    L, P = c.step.shape[1:]
+    step = np.full((2, L, P), -1, np.int64)
+    kh = np.zeros((2, L, P), np.uint64)
+    vh = np.zeros((2, L, P), np.uint64)
+    step[:len(traces)], kh[:len(traces)], vh[:len(traces)] = c.step, c.k_hash, c.v_hash
+    return KvGrid(request_id, prompt_len, c.layers, np.arange(P), tuple(at_steps[:2]), step, kh, vh,
+                  c.differs, c.one_sided, c.earliest(), c.two, c, read_before)

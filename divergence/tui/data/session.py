@@ -237,5 +237,16 @@ class BrowseData:
             return (t.step_a, t.step_b)
         return (n.step_a, n.step_b) if n is not None else (None, None)
 
+    def kv_read_position(self, request_id: str) -> int | None:
+        """The position computed by the steps of kv_default_steps (the cache it read: positions < it)."""
+        d = self.request_diff(request_id)
+        if d is None:
+            return None
+        t = d.first_divergent_token or d.first_numeric_divergence
+        return None if t is None else int(t.position)
+
     def kv_grid(self, request_id: str, at_steps: tuple = (None, None)) -> KvGrid:
-        return kv_grid(self.traces, request_id, len(self.prompt(request_id)), at_steps)
+        read_before = None
+        if self.two and at_steps != (None, None) and at_steps == self.kv_default_steps(request_id):
+            read_before = self.kv_read_position(request_id)
+        return kv_grid(self.traces, request_id, len(self.prompt(request_id)), at_steps, read_before)

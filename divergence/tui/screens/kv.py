@@ -105,8 +105,9 @@ class KvScreen(BrowseScreen):
             t.append(" · as read by the divergent step ("
                      + ", ".join(f"{'AB'[s]} step {g.at_steps[s]}" for s in d.sides) + ")", style="yellow")
         if g.two:
-            t.append(f" · {g.num_differ} of {int((g.step >= 0).all(axis=0).sum())} cells differ",
-                     style="red" if g.num_differ else "green")
+            n, of = g.read_count()
+            read = f" (positions < {g.read_before}, what it read)" if g.read_before is not None else ""
+            t.append(f" · {n} of {of} cells differ{read}", style="red" if n else "green")
             if g.earliest is not None:
                 lr, p = g.earliest
                 t.append(f"\nearliest: layer {int(g.layers[lr])} position {p}, written by "
