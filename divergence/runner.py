@@ -95,8 +95,13 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
 
     engine = make_engine(cfg)
     validate(engine, requests)
+    from .errors import DivergenceInputError, TraceError
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DivergenceInputError(f"cannot create --out {out_dir}: {e.strerror or e}") from None
     results = {}
     if engine.tp is not None and not engine.tp.writes:  # tensor parallel: only rank 0 writes
         from .engine.tp import Mirror
@@ -106,15 +111,83 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
             results[schedule] = engine.run(requests, schedule)
         engine.observers = []
         return results
-    for schedule in schedules:
-        path = out_dir / f"{schedule}.h5"
-        tmp = path.with_suffix(".h5.partial")
-        with TraceWriter(tmp, top_k=cfg.top_k, kv_hashes=cfg.kv_hashes) as writer:
-            obs = [writer]
-            if progress:
-                obs.append(_Progress(schedule, sum(r.max_tokens for r in requests)))
-            engine.observers = obs
-            results[schedule] = engine.run(requests, schedule)
-        tmp.replace(path)  # an existing trace is only replaced by a complete one
-    engine.observers = []
+    lock = _lock(out_dir)  # a second run on this --out is refused, not interleaved
+    try:
+        for schedule in schedules:
+            path = out_dir / f"{schedule}.h5"
+            tmp = partial_name(path)  # unique per process: two runs never write one file
+            try:
+                with TraceWriter(tmp, top_k=cfg.top_k, kv_hashes=cfg.kv_hashes) as writer:
+                    obs = [writer]
+                    if progress:
+                        obs.append(_Progress(schedule, sum(r.max_tokens for r in requests)))
+                    engine.observers = obs
+                    results[schedule] = engine.run(requests, schedule)
+            except TraceError:  # the trace could not be written (a full disk): nothing worth keeping
+                tmp.unlink(missing_ok=True)
+                raise
+            tmp.replace(path)  # an existing trace is only replaced by a complete one
+    finally:
+        engine.observers = []
+        _unlock(lock)
     return results
+
+
+LOCK_NAME = ".divergence-run.lock"
+
+
+def partial_name(path: Path) -> Path:
+    """Where a run writes `<schedule>.h5` until it is complete: `<schedule>.<pid>-<random>.h5.partial`
+    (unique per process; a failed run's partial traces are `*.h5.partial`)."""
+    import os
+    import secrets
+
+    return path.with_name(f"{path.stem}.{os.getpid()}-{secrets.token_hex(4)}{path.suffix}.partial")
+
+
+def _lock(out_dir: Path):
+    """Hold out_dir/.divergence-run.lock (flock, released when the process ends however it ends);
+    a directory another run holds is refused with one line."""
+    import fcntl
+    import os
+
+    from .errors import DivergenceInputError
+
+    path = out_dir / LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except OSError as e:
+            raise DivergenceInputError(f"--out {out_dir}: cannot create {path.name} ({e.strerror or e})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode("ascii", "replace").strip()
+            os.close(fd)
+            raise DivergenceInputError(f"--out {out_dir} is in use by another divergence run"
+                                       f"{f' (pid {pid})' if pid else ''}; wait for it to end or name another "
+                                       f"--out") from None
+        except OSError as e:  # a filesystem without locks
+            os.close(fd)
+            raise DivergenceInputError(f"--out {out_dir}: cannot lock {path.name} ({e.strerror or e})") from None
+        try:  # the holder before us may have removed the file we opened: lock the one at the path
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd, path
+
+
+def _unlock(lock) -> None:
+    import os
+
+    fd, path = lock
+    try:
+        path.unlink(missing_ok=True)  # while still held: the next run creates and locks a new one
+    except OSError:
+        pass
+    os.close(fd)

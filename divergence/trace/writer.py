@@ -179,7 +179,10 @@ class TraceWriter(Observer):
         else:
             self._unwritten += batch.steps
         if self._queue is None:
-            self._write(batch)
+            try:
+                self._write(batch)
+            except Exception as e:  # as on the flush thread: one TraceError, what is on disk stays readable
+                self._error = e
         else:
             self._queue.put(batch)
             if wait:
@@ -225,13 +228,15 @@ class TraceWriter(Observer):
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             e = self._error
-            raise TraceError(f"writing {self.path} failed: {e}") from e
+            raise TraceError(f"writing {self.path} failed: {_reason(e)}") from e
 
     # -- the end -------------------------------------------------------------------------
     def on_run_end(self, completed: bool) -> None:
         self.close(completed=completed)
 
     def close(self, *, completed: bool | None, raise_errors: bool = True) -> None:
+        """Finish and close the file, once. A failed write (a full disk) is one TraceError;
+        the h5py file is closed exactly once even then, and dropped (no second close at exit)."""
         if not self._started:
             return
         self._started = False
@@ -242,23 +247,40 @@ class TraceWriter(Observer):
             error = e
         finally:
             self._stop_thread()
-            if self.f is not None:
+            f, self.f = self.f, None
+            if f is not None:
                 with H5_LOCK:
                     try:
-                        if error is None:  # tails into the bodies: a closed trace is plain tables
-                            for t in self.tables.values():
-                                t.finish()
-                            self.f.flush()
-                            self._commit.write()
-                            self.durable_steps += self._closing_steps
-                        if completed and error is None:
-                            self.f[S.STATUS][0] = 1
-                            self.f.flush()
+                        if error is None:
+                            try:  # tails into the bodies: a closed trace is plain tables
+                                for t in self.tables.values():
+                                    t.finish()
+                                f.flush()
+                                self._commit.write()
+                                self.durable_steps += self._closing_steps
+                                if completed:
+                                    f[S.STATUS][0] = 1
+                                    f.flush()
+                            except Exception as e:  # noqa: BLE001  (h5py raises OSError or RuntimeError)
+                                error = self._failure(e)
                     finally:
-                        self.f.close()
-                        self.f = None
+                        if error is None or _flushes(f):
+                            try:
+                                f.close()
+                            except Exception as e:  # noqa: BLE001  (its last flush failed too)
+                                if error is None:
+                                    error = self._failure(e)
+                        else:  # HDF5 still holds data it cannot write: closing it (or GC) would crash
+                            _abandon(f)
+                        self.tables, self._commit = {}, None
         if error is not None and raise_errors:
             raise error
+
+    def _failure(self, e: BaseException) -> TraceError:
+        self._error = self._error or e
+        err = TraceError(f"writing {self.path} failed: {_reason(e)}")
+        err.__cause__ = e
+        return err
 
     def _stop_thread(self) -> None:
         if self._thread is not None:
@@ -266,3 +288,48 @@ class TraceWriter(Observer):
             self._thread.join()
             self._thread = None
             self._queue = None
+
+
+_ABANDONED: list = []  # ids of files whose writes failed, kept open (and referenced) until the process ends
+
+
+def _flushes(f) -> bool:
+    """Whether f's unwritten data now reaches the disk (a passing failure): then it closes cleanly."""
+    try:
+        f.flush()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _abandon(f) -> None:
+    """Never close a file HDF5 cannot flush. h5py's close of it fails half way, and then the
+    datasets' deallocation (at GC or exit) segfaults in HDF5. One more reference on each of its
+    open ids keeps HDF5 from ever freeing them; the process exits cleanly, and the caller
+    removes the file (its disk space returns when the process ends)."""
+    from h5py import h5f, h5i
+
+    try:
+        ids = h5f.get_obj_ids(f.id, h5f.OBJ_ALL)
+        for i in ids:
+            h5i.inc_ref(i)
+        _ABANDONED.append((f, ids))
+    except Exception:  # noqa: BLE001  (nothing safer is left to do)
+        _ABANDONED.append((f, None))
+
+
+def _reason(e: BaseException) -> str:
+    """An I/O failure in a few words, on one line (h5py's messages span lines and name its buffers)."""
+    import os
+    import re
+
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = " ".join(str(e).split())
+    m = re.search(r"errno = (\d+)", text)
+    if m:
+        try:
+            return os.strerror(int(m.group(1)))
+        except ValueError:
+            pass
+    return text[:200] or type(e).__name__

@@ -134,3 +134,81 @@ def test_run_out_in_a_read_only_dir(ro_dir, capsys):
 def test_report_html_in_a_read_only_dir(pair, ro_dir, capsys):
     rc, _, err = run(["report", *pair, "--html", ro_dir / "r.html"], capsys)
     one_line(rc, err, "--html")
+
+
+# -- 3. one --out, one run at a time; unique partial names ------------------------------------
+
+def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
+    from divergence.runner import _lock, _unlock
+
+    (tmp_path / "serial.h5").write_bytes(b"previous")
+    held = _lock(tmp_path)  # as another `divergence run` holds it (flock: per open file)
+    try:
+        rc, _, err = run(["run", "--out", tmp_path, "--max-tokens", "2", "--json"], capsys)
+    finally:
+        _unlock(held)
+    one_line(rc, err, "in use", str(os.getpid()))
+    assert (tmp_path / "serial.h5").read_bytes() == b"previous"
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_partial_names_are_unique_per_process(tmp_path):
+    from divergence.runner import partial_name
+
+    a, b = partial_name(tmp_path / "serial.h5"), partial_name(tmp_path / "serial.h5")
+    assert a != b and a.name != "serial.h5.partial" and str(os.getpid()) in a.name
+    assert a.name.startswith("serial.") and a.name.endswith(".h5.partial")  # tp_cli's *.h5.partial
+
+
+def test_the_lock_is_released_and_removed(tmp_path, capsys):
+    rc, out, err = run(["run", "--out", tmp_path, "--max-tokens", "2", "--json", "--schedules", "serial"], capsys)
+    assert rc == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["serial.h5"]
+
+
+# -- 8. a full disk: one line, exit 2, no partial file, old traces kept -------------------------
+
+def test_a_failed_flush_is_one_line_and_no_partial(tmp_path, capsys, monkeypatch):
+    import errno
+
+    import h5py
+
+    for name in ("serial.h5", "concurrent.h5"):
+        (tmp_path / name).write_bytes(b"previous " + name.encode())
+    real, calls = h5py.File.flush, []
+
+    def flush(self):
+        calls.append(1)
+        if len(calls) > 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self)
+
+    monkeypatch.setattr(h5py.File, "flush", flush)
+    rc, _, err = run(["run", "--out", tmp_path, "--max-tokens", "6", "--json"], capsys)
+    monkeypatch.undo()
+    one_line(rc, err, "No space left on device")
+    assert "Traceback" not in "\n".join(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["concurrent.h5", "serial.h5"]
+    for name in ("serial.h5", "concurrent.h5"):
+        assert (tmp_path / name).read_bytes() == b"previous " + name.encode()
+
+
+def test_a_full_tmpfs_is_one_line_not_a_segfault(tmp_path):
+    """A real full disk (a 300 KiB tmpfs): h5py's close after a failed flush used to crash."""
+    import sys
+
+    d = tmp_path / "small"
+    d.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(d)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (d / "concurrent.h5").write_bytes(b"previous")
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+        p = subprocess.run([sys.executable, "-m", "divergence", "run", "--out", str(d), "--json"], env=env,
+                           capture_output=True, text=True, timeout=300)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+        assert len(lines) == 1 and "No space left on device" in lines[0], lines
+        assert not list(d.glob("*.partial*")) and (d / "concurrent.h5").read_bytes() == b"previous"
+    finally:
+        subprocess.run(["umount", str(d)], capture_output=True)
