@@ -226,15 +226,19 @@ def write(eng: Engine, out: Path, schedule: str, *, one_file: bool = False) -> N
     out.mkdir(parents=True, exist_ok=True)
     files = {"run": "run", "request": "requests", "step": "steps", "kernel": "kernels", "kv_write": "kv_writes",
              "token": "tokens", "finish": "finishes"}
+    # each file ends with its end record (the number of records before it): a file cut
+    # short, even at a line boundary, is refused by the import instead of read as a shorter run
     if one_file:
         with open(out / "records.jsonl", "w") as f:
             for kind, recs in kinds.items():
                 for r in recs:
                     f.write(json.dumps({"kind": kind, **r}) + "\n")
+            f.write(json.dumps({"kind": "end", "records": sum(len(recs) for recs in kinds.values())}) + "\n")
         return
     for kind, recs in kinds.items():
         with open(out / f"{files[kind]}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in recs)
+            f.write(json.dumps({"kind": "end", "records": len(recs)}) + "\n")
 
 
 def main(argv=None) -> int:

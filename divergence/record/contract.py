@@ -18,7 +18,8 @@ import numpy as np
 from ..core.names import MODELS, PHASES, RECORD_KINDS, SPEC_CORRECTED, TARGET
 from ..errors import RecordError
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: every JSON Lines file ends with an `end` record (1: no end records)
+END = "end"  # the last line of every JSON Lines file: {"kind": "end", "records": N}
 REQUIRED = object()
 _HEX64 = re.compile(r"[0-9a-fA-F]{16}")
 
@@ -48,7 +49,9 @@ FIELDS: dict[str, dict[str, Field]] = {
         "settings": Field("dict", {}, doc="anything else about the run (token budget, block size, ...)"),
         "environment": Field("dict", {}, doc="versions, device, backend"),
         "vocab": Field("strs", None, doc="text of each token id decoded alone (lets reports show text)"),
-        "contract": Field("int", CONTRACT_VERSION, min=1, doc="version of this contract"),
+        "contract": Field("int", CONTRACT_VERSION, min=1, doc="version of this contract the records follow "
+                          "(2: every JSON Lines file ends with an end record; 1: files without end records, "
+                          "imported without the check that none was cut short)"),
     },
     "request": {
         "id": Field("str", doc="request id, unique in the run"),
@@ -111,7 +114,12 @@ FIELDS: dict[str, dict[str, Field]] = {
     "finish": {
         "step": Field("int", min=0),
         "request": Field("str"),
-        "reason": Field("str", "", doc="stop, length, ..."),
+        "reason": Field("str", "", doc="stop, length, ... (length: it generated max_tokens tokens, all "
+                                       "recorded)"),
+    },
+    END: {
+        "records": Field("int", min=0, doc="records in the file before this line (JSON Lines only: the last "
+                                           "line of every file, so a file cut short is refused)"),
     },
 }
 assert set(RECORD_KINDS) <= set(FIELDS)

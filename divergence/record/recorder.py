@@ -14,7 +14,8 @@ a bad record raises RecordError at the line that made it. The records are kept i
 memory and written at exit through the trace writer as the engine's own events,
 so every reader, diff, bisect and browse sees an ordinary trace (marked with
 settings.engine: divergence's replay refuses it). An exception inside the block
-still writes what was recorded, marked incomplete.
+still writes what was recorded, marked incomplete; a refused record (a RecordError
+leaving the block) writes nothing.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import numpy as np
 
 from ..core.events import KernelChoice, KvWrite, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
 from ..core.hashing import HASH_NAME
+from ..core.names import RECORD_KINDS
 from ..core.request import Request, Sampling
 from ..errors import PromptError, RecordError
 from .contract import CONTRACT_VERSION, check
@@ -54,7 +56,7 @@ class Recorder:
         self._step_index: dict[int, dict] = {}
         self._records: dict[int, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         self._generated: dict[str, list[int]] = {}  # request -> tokens, in position order
-        self._finished: set[str] = set()
+        self._finished: dict[str, int] = {}  # request -> the step of its finish
         self._closed = False
         for r in requests:
             self.add("request", _request_fields(r))
@@ -97,6 +99,8 @@ class Recorder:
         above and `divergence import` both come through here."""
         if self._closed:
             raise RecordError("the recorder is closed")
+        if kind not in RECORD_KINDS:
+            raise RecordError(f"unknown record kind {kind!r} (kinds: {', '.join(RECORD_KINDS)})")
         if kind in ("kernel", "kv_write", "token", "finish") and fields.get("step") is None:
             if not self._steps:
                 raise RecordError(f"{kind}: no step yet (call step() first)")
@@ -138,6 +142,21 @@ class Recorder:
             if b0 < a1:
                 raise RecordError(f"step {r['index']}: rows of {ra!r} and {rb!r} overlap ({a0}..{a1 - 1} and "
                                   f"{b0}..{b1 - 1})")
+        # the packed input is [rows, hidden], rows = the slices' counts: each slice lies inside it
+        rows = sum(s["count"] for s in r["slices"])
+        for i, s in enumerate(r["slices"]):
+            if s["row_offset"] + s["count"] > rows:
+                raise RecordError(f"step.slices[{i}].row_offset: rows {s['row_offset']}.."
+                                  f"{s['row_offset'] + s['count'] - 1} go past the step's {rows} rows (the slices' "
+                                  f"counts): the slices must fill rows 0..{rows - 1} without gaps")
+        # one request's slices hold each of its positions at most once
+        for i, s in enumerate(r["slices"]):
+            for j, o in enumerate(r["slices"][:i]):
+                if o["request"] == s["request"] and s["start"] < o["start"] + o["count"] \
+                        and o["start"] < s["start"] + s["count"]:
+                    raise RecordError(f"step.slices[{i}].start: positions {_span(s['start'], s['count'])} of "
+                                      f"{s['request']!r} overlap those of slices[{j}] "
+                                      f"({_span(o['start'], o['count'])})")
         if r["model"] is None:  # pragma: no cover  (the contract's default)
             r["model"] = "target"
         self._steps.append(r)
@@ -159,14 +178,33 @@ class Recorder:
         self._records[r["step"]]["kernel"].append(r)
 
     def _add_kv_write(self, r: dict) -> None:
-        self._of_step("kv_write", r)
-        self._known("kv_write", r["request"])
+        st = self._of_step("kv_write", r)
+        rid = r["request"]
+        self._known("kv_write", rid)
+        mine = [s for s in st["slices"] if s["request"] == rid]
+        if not mine:
+            raise RecordError(f"kv_write.request: step {r['step']} has no slice of {rid!r} (its slices: "
+                              f"{_slices(st)}): a step writes K/V only at the positions of its rows")
+        n = len(r["k_hashes"])
+        if not any(s["start"] <= r["start"] and r["start"] + n <= s["start"] + s["count"] for s in mine):
+            raise RecordError(f"kv_write.start: positions {_span(r['start'], n)} of {rid!r} are not inside one "
+                              f"slice of step {r['step']} ({_slices(st, rid)}): a step writes K/V only at the "
+                              f"positions of its rows")
         self._records[r["step"]]["kv_write"].append(r)
 
     def _add_token(self, r: dict) -> None:
         st = self._of_step("token", r)
         rid = r["request"]
         req = self._known("token", rid)
+        if rid in self._finished:
+            raise RecordError(f"token.request: {rid!r} already finished (step {self._finished[rid]}): no tokens after "
+                              f"its finish record")
+        if req["max_tokens"] is not None and len(self._generated[rid]) >= req["max_tokens"]:
+            raise RecordError(f"token.position: {r['position']} would be token {len(self._generated[rid]) + 1} of "
+                              f"{rid!r}, whose max_tokens is {req['max_tokens']}")
+        if self.run["top_k"] is not None and len(r["topk_ids"]) > self.run["top_k"]:
+            raise RecordError(f"token.topk_ids: {len(r['topk_ids'])} top-k entries but the run's top_k is "
+                              f"{self.run['top_k']}")
         want = len(req["prompt"]) + len(self._generated[rid])
         if r["position"] != want:
             raise RecordError(f"token: {rid!r} position {r['position']}, but its next token is at {want} "
@@ -180,8 +218,17 @@ class Recorder:
 
     def _add_finish(self, r: dict) -> None:
         self._of_step("finish", r)
-        self._known("finish", r["request"])
-        self._finished.add(r["request"])
+        rid = r["request"]
+        req = self._known("finish", rid)
+        if rid in self._finished:
+            raise RecordError(f"finish.request: {rid!r} already finished (step {self._finished[rid]})")
+        n = len(self._generated[rid])
+        if r["reason"] == "length":  # it stopped because it had generated max_tokens tokens
+            want = req["max_tokens"] if req["max_tokens"] is not None else max(1, n)
+            if n != want:
+                raise RecordError(f"finish.reason: 'length', but {rid!r} has {_tokens(n)} recorded (before this "
+                                  f"finish), not its max_tokens {want}: tokens missing?")
+        self._finished[rid] = r["step"]
         self._records[r["step"]]["finish"].append(r)
 
     # -- writing ---------------------------------------------------------------------
@@ -189,6 +236,9 @@ class Recorder:
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if isinstance(exc, RecordError):  # a record was refused: no trace of records that break the contract
+            self._closed = True
+            return False
         self.close(completed=exc_type is None)
         return False
 
@@ -299,6 +349,20 @@ class _Fanout:
 
     def __getattr__(self, method):
         return lambda *args: [getattr(ob, method)(*args) for ob in self._observers]
+
+
+def _span(start: int, count: int) -> str:
+    return f"{start}..{start + count - 1}"
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" + ("" if n == 1 else "s")
+
+
+def _slices(st: dict, rid: str | None = None) -> str:
+    """A step's slices (or those of one request) for a message: 'r1 decode 5..5, r2 prefill 0..2'."""
+    return ", ".join(f"{s['request']} {s['phase']} {_span(s['start'], s['count'])}" for s in st["slices"]
+                     if rid is None or s["request"] == rid)
 
 
 def _request_fields(r) -> dict:

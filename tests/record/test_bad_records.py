@@ -47,8 +47,8 @@ CASES = [
     ("steps", 1, lambda r: {**r, "slices": [{**r["slices"][0], "phase": "warmup"}]},
      "steps.jsonl:1: slice.phase: 'warmup' is not one of prefill, decode, verify, draft"),
     # steps out of order
-    ("steps", 3, put("index", 1), "steps.jsonl:3: step: index 1 does not follow step 2 (steps must be strictly increasing)"),
-    ("steps", 2, put("index", 0), "steps.jsonl:2: step: index 0 does not follow step 0"),
+    ("steps", 3, put("index", 1), "steps.jsonl:3: step.index: 1 does not follow step 2 ("),
+    ("steps", 2, put("index", 0), "steps.jsonl:2: step.index: 0 does not follow step 0 ("),
     # hashes of the wrong width
     ("kv_writes", 2, lambda r: {**r, "k_hashes": [r["k_hashes"][0][:15]] + r["k_hashes"][1:]},
      "kv_writes.jsonl:2: kv_write.k_hashes[0]: '"),
@@ -65,7 +65,7 @@ CASES = [
     # contract breaks across records
     ("tokens", 2, put("position", 9), "tokens.jsonl:2: token: 'r1' position 9, but its next token is at 6"),
     ("tokens", 1, put("step", 2), "tokens.jsonl:1: token: step 2 has no row of 'r1' at position 4"),
-    ("kernels", 1, put("step", 7), "kernels.jsonl:1: kernel: step 7 has no step record"),
+    ("kernels", 1, put("step", 7), "kernels.jsonl:1: kernel.step: step 7 has no step record"),
     ("tokens", 1, lambda r: {**r, "topk_logits": r["topk_logits"][::-1]}, "tokens.jsonl:1: token: topk_logits are not best first"),
     ("tokens", 1, lambda r: {**r, "topk_ids": r["topk_ids"][:3]}, "tokens.jsonl:1: token: 3 topk_ids but 4 topk_logits"),
     ("tokens", 1, put("logit", 1.5), "tokens.jsonl:1: token: logit 1.5 differs from the top-k's logit"),
@@ -114,7 +114,7 @@ def test_directory_level_errors(tmp_path, capsys):
     assert "run.jsonl:2: a second run record" in err_of(d)
     (d / "run.jsonl").write_text('{"engine": "x", "schedule": "s", "contract": 99}\n')
     assert "contract 99 is newer" in err_of(d)
-    (d / "run.jsonl").write_text('{"engine": "x", "schedule": "s", "kv_hash": null}\n')
+    (d / "run.jsonl").write_text('{"engine": "x", "schedule": "s", "kv_hash": null}\n{"kind": "end", "records": 1}\n')
     assert "kv_write records need the hash named" in err_of(d)
     assert not (tmp_path / "t.h5").exists()
 

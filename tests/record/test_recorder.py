@@ -67,10 +67,12 @@ def to_json(v):
     return v
 
 
-def write_jsonl(d, records, *, one_file=False):
+def write_jsonl(d, records, *, one_file=False, end=True):
+    """The records as the contract's JSON Lines in directory d; end: each file's last line is
+    its end record (contract 2); end=False writes a contract 1 run (no end records)."""
     d.mkdir()
     run = {"engine": "toy-engine 0.1", "schedule": "concurrent", "model": {"name": "toy", "weights_hash": "w1",
-           "dtype": "float16"}, "top_k": 4, "kv_hash": "xxh3_64"}
+           "dtype": "float16"}, "top_k": 4, "kv_hash": "xxh3_64", **({} if end else {"contract": 1})}
     lines = [("run", run)] + [("request", r) for r in REQS] + list(records)
     files = {}
     for kind, fields in lines:
@@ -81,7 +83,8 @@ def write_jsonl(d, records, *, one_file=False):
             files.setdefault({"kv_write": "kv_writes", "finish": "finishes", "run": "run"}.get(kind, kind + "s"),
                              []).append(rec)
     for name, recs in files.items():
-        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        tail = [{"kind": "end", "records": len(recs)}] if end else []
+        (d / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs + tail))
     return d
 
 
@@ -140,13 +143,13 @@ def test_shortest_float32_decimals_round_trip_exactly(tmp_path):
     those parse back to the same bits; a float64 value is refused, not silently rounded."""
     records = script(np.random.default_rng(2))
     d = write_jsonl(tmp_path / "jsonl", records)
-    lines = (d / "tokens.jsonl").read_text().splitlines()
+    *lines, end = (d / "tokens.jsonl").read_text().splitlines()
     short = []
     for line in lines:
         r = json.loads(line)
         vals = ", ".join(str(np.float32(x)) for x in r.pop("topk_logits"))  # e.g. 25.571232, not 25.57123184...
         short.append(json.dumps(r)[:-1] + f', "topk_logits": [{vals}]}}')
-    (d / "tokens.jsonl").write_text("\n".join(short) + "\n")
+    (d / "tokens.jsonl").write_text("\n".join(short + [end]) + "\n")
     import_records(d, tmp_path / "t.h5")
     with Trace.open(tmp_path / "t.h5") as t:
         toks = [f for kind, f in records if kind == "token" and f["request"] == "r1"]
@@ -154,7 +157,7 @@ def test_shortest_float32_decimals_round_trip_exactly(tmp_path):
                               np.stack([f["topk_logits"] for f in toks]).view(np.uint32))
     r = json.loads(short[0])
     r["topk_logits"][1] = r["topk_logits"][1] * (1 + 1e-12) if r["topk_logits"][1] else 1e-300
-    (d / "tokens.jsonl").write_text("\n".join([json.dumps(r)] + short[1:]) + "\n")
+    (d / "tokens.jsonl").write_text("\n".join([json.dumps(r)] + short[1:] + [end]) + "\n")
     with pytest.raises(RecordError, match=r"tokens.jsonl:1: .*not a float32 value"):
         import_records(d, tmp_path / "t2.h5")
     assert not (tmp_path / "t2.h5").exists() and not (tmp_path / "t2.h5.partial").exists()
