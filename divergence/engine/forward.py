@@ -21,6 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models import rope_utils
 
 from ..core.events import StepPlan
+from ..core.policy import NATIVE
+from .backend_proofs import row_alone_is_exact
 from .blocks import LayerOps, Tap, mlp_block
 from .dispatch import KernelDispatcher
 from .kernels import LinearOp
@@ -176,9 +178,13 @@ class PackedForward:
             if tap is not None:
                 tap(li, "mlp_residual", h)
         if prep.logit_rows:
-            hl = h if prep.logit_index is None else h[prep.logit_index]
-            xn = self.final_norm(hl)
-            logits = dispatch(xn, self.head, self.num_layers)
+            if prep.logit_index is None or self._needed_rows_only(prep, h, dispatch):
+                xn = self.final_norm(h if prep.logit_index is None else h[prep.logit_index])
+                logits = dispatch(xn, self.head, self.num_layers)
+            else:  # mlx-lm's shape: every row, then the ones needed (row_alone_is_exact)
+                xn = self.final_norm(h)
+                logits = dispatch(xn, self.head, self.num_layers)[prep.logit_index]
+                xn = xn[prep.logit_index]
             if tap is not None:
                 tap(self.num_layers, "norm", xn)
                 tap(self.num_layers, "lm_head", logits)
@@ -193,6 +199,18 @@ class PackedForward:
                 k_all, v_all = k_all[:, real], v_all[:, real]
             return StepOutput(logits, k_all, v_all, routing)
         return StepOutput(logits, routing=routing)
+
+    def _needed_rows_only(self, prep: PreparedStep, h: mx.array, dispatch: KernelDispatcher) -> bool:
+        """May the head compute only the rows whose logits are needed? Always for several rows
+        (mlx-lm has no such shape to match: BatchGenerator pads) and for emulated kernels (they
+        pick by row count themselves); a native lone row (a prefill's last) only where the
+        backend was proved to give it the bits of the whole call's row."""
+        if len(prep.logit_host) != 1:
+            return True
+        pol, T = dispatch.policy_for(self.head.name), h.shape[0]
+        if pol.kernel_for(1) != NATIVE or pol.kernel_for(T) != NATIVE:
+            return True
+        return row_alone_is_exact(self.head, T, prep.logit_host[0], h.dtype)
 
     def _rotation(self, prep: PreparedStep) -> StepRotation | None:
         """The step's cos / sin, once for all layers, where RoPE is MLX's CPU fallback (rotary.py)."""

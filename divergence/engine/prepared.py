@@ -97,6 +97,7 @@ class PreparedStep:
     # the plan's rows (slice order) within the step's T rows when `padded` padded them; None:
     # the rows are the plan's
     real_rows: mx.array | None = None
+    logit_host: tuple[int, ...] | None = None  # logit_index on the host (None with it)
 
     @property
     def slice_lengths(self) -> list[int]:
@@ -150,6 +151,7 @@ def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepar
         logit_index=None if identity_logits else mx.array(logit, dtype=mx.int32), logit_rows=len(logit),
         groups=groups, out_perm=None, kernel=BATCHED if kernel == BATCHED else PER_SEQ, kv_lens=kv_lens,
         attended_rows=B, batch=B if kernel == BATCHED else 0, decode_queries=1,
+        logit_host=None if identity_logits else tuple(logit),
     )
 
 
@@ -225,6 +227,7 @@ def _prepare_general(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepa
         kv_lens=kv_lens, real_rows=mx.array(np.asarray(real, dtype=np.int32)) if padded_rows else None,
         attended_rows=T, batch=len(batch),
         decode_queries=max((s.count for s in plan.slices if batchable(s)), default=0),
+        logit_host=None if identity_logits else tuple(int(i) for i in logit),
     )
 
 
