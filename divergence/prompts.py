@@ -34,26 +34,88 @@ def builtin_requests(encode, *, max_tokens: int | None = None) -> list[Request]:
             for d in DEMO]
 
 
-def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request]:
-    """Parse a JSONL prompt file; any malformed line is a PromptError naming it."""
-    p = Path(path)
-    if not p.exists():
-        raise PromptError(f"prompt file not found: {p}")
-    if p.is_dir():
-        raise PromptError(f"prompt file is a directory: {p}")
+MAX_PROMPT_FILE_BYTES = 256 << 20  # a prompt file larger than this is refused, not read into memory
+MAX_ID_CHARS = 256
+INT32_MAX = 2**31 - 1  # max_tokens and arrival are int32 in a trace
+SEED_MAX = 2**63 - 1  # the seed is int64 in a trace
+
+
+class _BadConstant(ValueError):
+    pass
+
+
+def _no_constant(name):
+    raise _BadConstant(f"{name} is not a number JSON allows")
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _BadConstant(f"the key {k!r} appears twice")
+        d[k] = v
+    return d
+
+
+def parse_line(line: str, where: str):
+    """One JSON value of a prompt file, strictly: no NaN/Infinity, no repeated keys; a PromptError
+    naming `where` (file:line) for anything json refuses, however deep or long."""
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PromptError(f"cannot read prompt file {p}: {e}") from None
+        return json.loads(line, parse_constant=_no_constant, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except _BadConstant as e:
+        raise PromptError(f"{where}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise PromptError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # e.g. an integer of more digits than Python converts
+        raise PromptError(f"{where}: not valid JSON ({' '.join(str(e).split())[:120]})") from None
+
+
+def read_prompt_file(path) -> str:
+    """The text of a prompt file: a regular file (not a FIFO or device) of at most
+    MAX_PROMPT_FILE_BYTES, UTF-8 (a byte-order mark at the start is skipped)."""
+    import os
+    import stat
+
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise PromptError(f"prompt file not found: {p}") from None
+    except (OSError, ValueError) as e:
+        raise PromptError(f"cannot read prompt file {p}: {getattr(e, 'strerror', None) or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise PromptError(f"prompt file is a directory: {p}")
+    if not stat.S_ISREG(st.st_mode):
+        raise PromptError(f"prompt file {p} is not a regular file (a FIFO, socket or device): give a .jsonl file")
+    cap = MAX_PROMPT_FILE_BYTES
+    if st.st_size > cap:
+        raise PromptError(f"prompt file {p} is {st.st_size} bytes; a prompt file may hold at most {cap} bytes")
+    try:
+        with open(p, "rb") as fh:
+            raw = fh.read(cap + 1)
+    except OSError as e:
+        raise PromptError(f"cannot read prompt file {p}: {e.strerror or e}") from None
+    if len(raw) > cap:  # it grew since the stat
+        raise PromptError(f"prompt file {p} is larger than {cap} bytes, the most a prompt file may hold")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise PromptError(f"{p}:{line}: not UTF-8 text ({e.reason})") from None
+
+
+def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request]:
+    """Parse a JSONL prompt file; any malformed line is a PromptError naming it (file:line) and the field."""
+    p = Path(path)
+    text = read_prompt_file(p)
     out, seen = [], set()
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 may sit inside a JSON string
         if not line.strip():
             continue
         where = f"{p}:{n}"
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptError(f"{where}: not valid JSON ({e.msg})") from None
+        d = parse_line(line, where)
         if not isinstance(d, dict):
             raise PromptError(f"{where}: each line must be a JSON object")
         if max_tokens is not None and "max_tokens" not in d:
@@ -69,6 +131,56 @@ def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request
     return out
 
 
+def _int(d: dict, key: str, default: int, lo: int, hi: int) -> int:
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PromptError(f"{key!r} must be an integer, got {_show(v)}")
+    if not lo <= v <= hi:
+        raise PromptError(f"{key!r} must be in {lo}..{hi}, got {_show(v)}")
+    return v
+
+
+def _number(d: dict, key: str, default: float) -> float:
+    import math
+
+    v = d.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PromptError(f"{key!r} must be a number, got {_show(v)}")
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
+        raise PromptError(f"{key!r} must be a finite number, got {_show(v)}")
+    return f
+
+
+def _text(v, key: str) -> str:
+    if "\x00" in v:
+        raise PromptError(f"{key!r} holds a NUL character")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PromptError(f"{key!r} holds a lone surrogate (\\ud800-\\udfff), which is not text") from None
+    return v
+
+
+def _id(v) -> str:
+    if isinstance(v, bool) or not isinstance(v, (str, int)):
+        raise PromptError(f"'id' must be a string (or an integer), got {_show(v)}")
+    s = _text(str(v), "id")
+    if not s.strip():
+        raise PromptError("'id' must not be empty")
+    if len(s) > MAX_ID_CHARS:
+        raise PromptError(f"'id' is {len(s)} characters long; at most {MAX_ID_CHARS}")
+    return s
+
+
+def _show(v) -> str:
+    text = json.dumps(v) if not isinstance(v, float) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def request_from_dict(d: dict, encode, where: str) -> Request:
     unknown = set(d) - KNOWN_KEYS
     if unknown:
@@ -76,19 +188,27 @@ def request_from_dict(d: dict, encode, where: str) -> Request:
     if ("prompt" in d) == ("tokens" in d):
         raise PromptError(f"{where}: give exactly one of 'prompt' (text) or 'tokens' (ids)")
     try:
+        rid = _id(d["id"])
         if "prompt" in d:
             if not isinstance(d["prompt"], str):
-                raise PromptError(f"{where}: 'prompt' must be a string")
-            tokens = tuple(encode(d["prompt"])) if d["prompt"] else ()
+                raise PromptError(f"'prompt' must be a string, got {_show(d['prompt'])}")
+            tokens = tuple(encode(_text(d["prompt"], "prompt"))) if d["prompt"] else ()
         else:
-            if not isinstance(d["tokens"], list) or not all(isinstance(t, int) for t in d["tokens"]):
-                raise PromptError(f"{where}: 'tokens' must be a list of integers")
-            tokens = tuple(d["tokens"])
-        sampling = Sampling(float(d.get("temperature", 0.0)), float(d.get("top_p", 1.0)), int(d.get("seed", 0)))
-        if not 0.0 < sampling.top_p <= 1.0 or sampling.temperature < 0:
-            raise PromptError(f"{where}: temperature must be >= 0 and top_p in (0, 1]")
-        return Request(str(d["id"]), tokens, max_tokens=int(d.get("max_tokens", 64)),
-                       arrival=int(d.get("arrival", 0)), sampling=sampling,
+            toks = d["tokens"]
+            if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+                raise PromptError(f"'tokens' must be a list of integers, got {_show(toks)}")
+            if any(not 0 <= t <= INT32_MAX for t in toks):
+                bad = next(t for t in toks if not 0 <= t <= INT32_MAX)
+                raise PromptError(f"'tokens' holds {_show(bad)}, not a token id (0..{INT32_MAX})")
+            tokens = tuple(toks)
+        sampling = Sampling(_number(d, "temperature", 0.0), _number(d, "top_p", 1.0),
+                            _int(d, "seed", 0, 0, SEED_MAX))
+        if sampling.temperature < 0:
+            raise PromptError(f"'temperature' must be >= 0, got {_show(d['temperature'])}")
+        if not 0.0 < sampling.top_p <= 1.0:
+            raise PromptError(f"'top_p' must be in (0, 1], got {_show(d['top_p'])}")
+        return Request(rid, tokens, max_tokens=_int(d, "max_tokens", 64, 1, INT32_MAX),
+                       arrival=_int(d, "arrival", 0, 0, INT32_MAX), sampling=sampling,
                        prompt_text=d.get("prompt"))
     except PromptError as e:
         msg = str(e)

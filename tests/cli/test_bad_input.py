@@ -212,3 +212,90 @@ def test_a_full_tmpfs_is_one_line_not_a_segfault(tmp_path):
         assert not list(d.glob("*.partial*")) and (d / "concurrent.h5").read_bytes() == b"previous"
     finally:
         subprocess.run(["umount", str(d)], capture_output=True)
+
+
+# -- 4. prompt files: strict JSON, strict types, regular files only ------------------------------
+
+NESTED = "[" * 200_000 + "]" * 200_000
+
+
+@pytest.mark.parametrize("line, field", [
+    ('{"id": "r1", "prompt": "x", "temperature": NaN}', "NaN"),
+    ('{"id": "r1", "prompt": "x", "temperature": Infinity}', "Infinity"),
+    ('{"id": "r1", "prompt": "x", "temperature": -Infinity}', "Infinity"),
+    ('{"id": "r1", "prompt": "x", "temperature": 1e999}', "temperature"),
+    ('{"id": "r1", "prompt": "x", "top_p": NaN}', "NaN"),
+    ('{"id": "r1", "prompt": "x", "max_tokens": "3"}', "max_tokens"),
+    ('{"id": "r1", "prompt": "x", "max_tokens": 2.7}', "max_tokens"),
+    ('{"id": "r1", "prompt": "x", "max_tokens": true}', "max_tokens"),
+    ('{"id": "r1", "prompt": "x", "arrival": 1.5}', "arrival"),
+    ('{"id": "r1", "tokens": [true, false]}', "tokens"),
+    ('{"id": "r1", "tokens": [1, -2]}', "tokens"),
+    ('{"id": "r1", "prompt": "x", "seed": 1.9}', "seed"),
+    ('{"id": "r1", "prompt": "x", "seed": 1180591620717411303424}', "seed"),  # 2**70
+    ('{"id": "r1", "prompt": "x", "seed": -1}', "seed"),
+    ('{"id": null, "prompt": "x"}', "'id'"),
+    ('{"id": {"a": 1}, "prompt": "x"}', "'id'"),
+    ('{"id": true, "prompt": "x"}', "'id'"),
+    ('{"id": "r\\u0000x", "prompt": "x"}', "NUL"),
+    ('{"id": "r1", "prompt": "x\\ud800"}', "surrogate"),
+    ('{"id": "r1", "id": "r2", "prompt": "x"}', "twice"),
+    ('{"id": "r1", "prompt": "x", "seed": ' + "9" * 5000 + '}', "not valid JSON"),
+    (NESTED, "nested too deeply"),
+])
+def test_bad_prompt_lines(tmp_path, capsys, line, field):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "ok", "prompt": "fine"}\n' + line + "\n", encoding="utf-8", errors="surrogatepass")
+    out = tmp_path / "out"
+    rc, _, err = run(["run", "--prompts", f, "--out", out, "--max-tokens", "2", "--json"], capsys)
+    one_line(rc, err, f"{f}:2", field)
+    assert not out.exists()
+
+
+def _encode(text):
+    return [ord(c) % 200 + 1 for c in text]
+
+
+def test_a_bom_is_accepted(tmp_path):
+    from divergence.prompts import load_prompts
+
+    f = tmp_path / "bom.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + b'{"id": "r1", "prompt": "hi"}\r\n{"id": "r2", "tokens": [5, 6]}\n')
+    reqs = load_prompts(f, _encode)
+    assert [r.id for r in reqs] == ["r1", "r2"] and reqs[1].prompt_tokens == (5, 6)
+
+
+def test_a_line_separator_inside_a_string_is_not_a_new_line(tmp_path):
+    from divergence.prompts import load_prompts
+
+    f = tmp_path / "ls.jsonl"
+    f.write_text('{"id": "r1", "prompt": "a\u2028b"}\n', encoding="utf-8")
+    assert load_prompts(f, _encode)[0].prompt_text == "a\u2028b"
+
+
+def test_prompts_from_a_fifo_or_a_device_are_refused(tmp_path, capsys):
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    for src in (fifo, "/dev/zero"):
+        rc, _, err = run(["run", "--prompts", src, "--out", tmp_path / "o", "--json"], capsys)
+        one_line(rc, err, "not a regular file", str(src))
+
+
+def test_a_huge_prompt_file_is_refused(tmp_path, capsys, monkeypatch):
+    import divergence.prompts as prompts
+
+    f = tmp_path / "big.jsonl"
+    f.write_text('{"id": "r1", "prompt": "' + "x" * 5000 + '"}\n')
+    monkeypatch.setattr(prompts, "MAX_PROMPT_FILE_BYTES", 4096)
+    rc, _, err = run(["run", "--prompts", f, "--out", tmp_path / "o", "--json"], capsys)
+    one_line(rc, err, "at most 4096 bytes")
+
+
+def test_the_api_raises_prompt_error(tmp_path):
+    from divergence.errors import PromptError
+    from divergence.prompts import load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "r1", "prompt": "x", "seed": 1.9}\n')
+    with pytest.raises(PromptError, match="p.jsonl:1: 'seed' must be an integer"):
+        load_prompts(f, _encode)
