@@ -67,8 +67,10 @@ def read_config(path: Path) -> dict:
         raise ModelLoadError(f"{path} has no config.json: not an mlx-lm model directory")
     try:
         config = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"cannot read {cfg}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise ModelLoadError(f"cannot read {cfg}: {' '.join(str(e).split())[:200] or 'nested too deeply'}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{cfg} holds a JSON {type(config).__name__}, not an object: not an mlx-lm config")
     mt = config.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(

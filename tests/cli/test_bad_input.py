@@ -299,3 +299,15 @@ def test_the_api_raises_prompt_error(tmp_path):
     f.write_text('{"id": "r1", "prompt": "x", "seed": 1.9}\n')
     with pytest.raises(PromptError, match="p.jsonl:1: 'seed' must be an integer"):
         load_prompts(f, _encode)
+
+
+# -- 5. a model config.json that is not an object ---------------------------------------------
+
+@pytest.mark.parametrize("text, needle", [("[1, 2]", "JSON list"), ('"llama"', "JSON str"),
+                                          ("[" * 100_000, "cannot read"), (b"\xff\xfe{}", "cannot read")])
+def test_a_config_that_is_not_an_object(tmp_path, capsys, text, needle):
+    m = tmp_path / "model"
+    m.mkdir()
+    (m / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
+    rc, _, err = run(["run", "--model", m, "--out", tmp_path / "o", "--json"], capsys)
+    one_line(rc, err, "config.json", needle)
