@@ -16,6 +16,10 @@ import sys
 from contextlib import contextmanager
 
 ENV = "DIVERGENCE_BLAS"  # "reference" to keep MLX's bundled BLAS; or a path to a libblas
+# OpenBLAS (DYNAMIC_ARCH) picks its kernels for the CPU when it loads, unless this names a
+# core; the core changes fp32 bits (DESIGN.md: small-matrix kernels on SkylakeX / Cooperlake)
+CORE_ENV = "OPENBLAS_CORETYPE"
+REFERENCE_WORDS = ("reference", "off", "0", "none")
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -29,7 +33,7 @@ def _load() -> str:
     if platform.system() != "Linux":
         return "platform default (Accelerate on macOS)" if platform.system() == "Darwin" else "platform default"
     choice = os.environ.get(ENV, "").strip()
-    if choice.lower() in ("reference", "off", "0", "none"):
+    if choice.lower() in REFERENCE_WORDS:
         return "reference BLAS bundled with MLX (optimized BLAS turned off)"
     if "mlx.core" in sys.modules:
         return "reference BLAS bundled with MLX (mlx was imported before divergence)"
@@ -42,6 +46,9 @@ def _load() -> str:
                 continue
             if hasattr(lib, "openblas_get_num_threads") and hasattr(lib, "openblas_set_num_threads"):
                 _state["lib"] = lib
+                for name in ("openblas_get_corename", "openblas_get_config"):
+                    if hasattr(lib, name):
+                        getattr(lib, name).restype = ctypes.c_char_p
             return f"OpenBLAS ({os.path.realpath(path)})"
     return "reference BLAS bundled with MLX (no optimized BLAS found)"
 
@@ -80,3 +87,27 @@ def using_blas_threads(n: int | None):
         yield
     finally:
         _state["lib"].openblas_set_num_threads(old)
+
+
+def blas_core() -> str | None:
+    """The core whose kernels OpenBLAS runs in this process ('Haswell', 'SkylakeX', ...);
+    None where another BLAS is in use."""
+    blas_in_use()
+    lib = _state["lib"]
+    if lib is None or not hasattr(lib, "openblas_get_corename"):
+        return None
+    return lib.openblas_get_corename().decode(errors="replace")
+
+
+def blas_config() -> str | None:
+    """OpenBLAS's build string ('OpenBLAS 0.3.21 DYNAMIC_ARCH ... Cooperlake MAX_THREADS=64')."""
+    blas_in_use()
+    lib = _state["lib"]
+    if lib is None or not hasattr(lib, "openblas_get_config"):
+        return None
+    return lib.openblas_get_config().decode(errors="replace").strip()
+
+
+def is_reference(blas: str | None) -> bool:
+    """Does a recorded `blas` string (environment()["blas"]) name MLX's bundled reference BLAS?"""
+    return str(blas or "").startswith("reference")

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..core.request import WARMUP_PREFIX
 from ..errors import TraceMismatchError
+from .environment import environment_differs
 
 IDENTICAL = "identical"
 DIVERGED = "diverged"
@@ -273,16 +274,6 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
     return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
                       bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree),
                       environment=environment_differs(a, b))
-
-
-# What a run's environment says that changes its numbers (versions and platform aside).
-NUMERIC_ENVIRONMENT = ("backend", "device", "device_name", "blas", "blas_threads", "mlx")
-
-
-def environment_differs(a, b) -> dict:
-    """key -> (a's, b's) for the NUMERIC_ENVIRONMENT keys both traces record and disagree on."""
-    ea, eb = (t.meta.get("environment") or {} for t in (a, b))
-    return {k: (ea[k], eb[k]) for k in NUMERIC_ENVIRONMENT if k in ea and k in eb and ea[k] != eb[k]}
 
 
 def _label(trace) -> str:

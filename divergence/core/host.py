@@ -13,3 +13,47 @@ def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+# OpenBLAS cores (OPENBLAS_CORETYPE names) and the CPU flags each one's kernels need; the
+# ones CI forces in turn are the x86 kernel families that round fp32 products differently.
+CORE_FLAGS = {
+    "Prescott": frozenset({"sse3"}),
+    "Sandybridge": frozenset({"avx"}),
+    "Haswell": frozenset({"avx2", "fma"}),
+    "Zen": frozenset({"avx2", "fma"}),
+    "SkylakeX": frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"}),
+    "Cooperlake": frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16"}),
+}
+CHECKED_CORES = ("Haswell", "Zen", "SkylakeX", "Cooperlake")
+
+
+def cpu_flags() -> frozenset:
+    """The flags of this CPU (/proc/cpuinfo's `flags` line, with sse3 as `pni`); empty
+    where the OS has no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.partition(":")[2].split())
+                    if "pni" in flags:
+                        flags.add("sse3")
+                    return frozenset(flags)
+    except OSError:
+        pass
+    return frozenset()
+
+
+def missing_flags(core: str, flags: frozenset | None = None) -> frozenset | None:
+    """The CPU flags core `core` needs that this CPU lacks (empty: it can run it); None
+    for a core this table does not know."""
+    need = next((v for k, v in CORE_FLAGS.items() if k.lower() == str(core).lower()), None)
+    if need is None:
+        return None
+    return need - (cpu_flags() if flags is None else flags)
+
+
+def runnable_cores(cores=CHECKED_CORES) -> list[str]:
+    """Of `cores`, those this CPU can run."""
+    flags = cpu_flags()
+    return [c for c in cores if missing_flags(c, flags) == frozenset()]

@@ -10,7 +10,7 @@ def environment() -> dict:
     import mlx
 
     from .. import __version__
-    from ..blas import blas_in_use, blas_threads
+    from ..blas import blas_config, blas_core, blas_in_use, blas_threads
 
     try:
         import mlx_lm
@@ -30,6 +30,9 @@ def environment() -> dict:
         # the CPU BLAS MLX's CPU ops use (on a GPU backend: only CPU-side ops use it)
         "blas": blas_in_use(),
         "blas_threads": blas_threads(),  # OpenBLAS's thread count changes fp32 bits (blas.py)
+        # the kernels OpenBLAS picked for this CPU (or OPENBLAS_CORETYPE): they change fp32 bits too
+        "blas_core": blas_core(),
+        "blas_config": blas_config(),
     }
 
 
