@@ -101,7 +101,8 @@ def _check_ends(files: list[_File], contract: int) -> None:
         if fi.end is None:
             if contract < 2:
                 continue
-            what = "is empty" if not fi.records else f"ends after {fi.records} records"
+            what = "is empty" if not fi.records else \
+                f"ends after {fi.records} record" + ("" if fi.records == 1 else "s")
             raise RecordError(f"{fi.path}:{fi.last_line + 1}: end: missing: the file {what} without its end "
                               f'record {{"kind": "end", "records": {fi.records}}}: cut short? (a run of '
                               f'recording contract 1 says "contract": 1 in its run record)')

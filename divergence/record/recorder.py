@@ -224,10 +224,12 @@ class Recorder:
             raise RecordError(f"finish.request: {rid!r} already finished (step {self._finished[rid]})")
         n = len(self._generated[rid])
         if r["reason"] == "length":  # it stopped because it had generated max_tokens tokens
-            want = req["max_tokens"] if req["max_tokens"] is not None else max(1, n)
-            if n != want:
+            if req["max_tokens"] is None and not n:  # max_tokens: as many as recorded, at least one
+                raise RecordError(f"finish.reason: 'length', but {rid!r} has no tokens recorded (before this "
+                                  f"finish): tokens missing?")
+            if req["max_tokens"] is not None and n != req["max_tokens"]:
                 raise RecordError(f"finish.reason: 'length', but {rid!r} has {_tokens(n)} recorded (before this "
-                                  f"finish), not its max_tokens {want}: tokens missing?")
+                                  f"finish), not its max_tokens {req['max_tokens']}: tokens missing?")
         self._finished[rid] = r["step"]
         self._records[r["step"]]["finish"].append(r)
 

@@ -92,7 +92,7 @@ CASES = [
     ("an empty tokens.jsonl", lambda d: (d / "tokens.jsonl").write_text(""),
      'tokens.jsonl:1: end: missing: the file is empty without its end record {"kind": "end", "records": 0}'),
     ("steps.jsonl cut after its first step", lambda d: cut(d, "steps", 1),
-     "steps.jsonl:2: end: missing: the file ends after 1 records"),
+     "steps.jsonl:2: end: missing: the file ends after 1 record without"),
     ("a record after the end record", lambda d: (d / "finishes.jsonl").write_text(
         (d / "finishes.jsonl").read_text() + '{"step": 4, "request": "r1", "reason": "stop"}\n'),
      "finishes.jsonl:3: a record after the end record ("),
@@ -109,8 +109,8 @@ CASES = [
     ("a length finish of a request without max_tokens and no tokens",
      lambda d: (rewrite(d, "tokens", lambda rs: [r for r in rs if r["request"] == "r2"]),
                 rewrite(d, "finishes", lambda rs: rs + [{"step": 4, "request": "r1", "reason": "length"}])),
-     "finishes.jsonl:2: finish.reason: 'length', but 'r1' has 0 tokens recorded (before this finish), not its "
-     "max_tokens 1"),
+     "finishes.jsonl:2: finish.reason: 'length', but 'r1' has no tokens recorded (before this finish): tokens "
+     "missing?"),
     ("more tokens than max_tokens", lambda d: edit(d, "requests", 2, lambda r: {**r, "max_tokens": 1}),
      "tokens.jsonl:5: token.position: 4 would be token 2 of 'r2', whose max_tokens is 1"),
     ("a token after the finish", lambda d: edit(d, "finishes", 1, lambda r: {**r, "step": 2, "reason": "stop"}),
@@ -212,7 +212,7 @@ def test_without_a_contract_1_declaration_files_need_their_end_records(tmp_path,
     d = write_jsonl(tmp_path / "in", script(np.random.default_rng(0)), end=False)
     edit(d, "run", 1, lambda r: {k: v for k, v in r.items() if k != "contract"})
     msg = refused(tmp_path, capsys, d)
-    assert msg.startswith("finishes.jsonl:2: end: missing: the file ends after 1 records"), msg  # files in name order
+    assert msg.startswith("finishes.jsonl:2: end: missing: the file ends after 1 record without"), msg  # files in name order
     assert '"contract": 1' in msg
 
 
