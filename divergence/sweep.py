@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from .core.request import Request
 from .errors import PromptError
 
+MAX_BATCH = 1024  # --max-batch above this is refused (the fillers of one run are all in memory at once)
+
 FILLERS = [
     "Return the number of items in a container.",
     "Create a new dictionary with keys from iterable and values set to value.",
@@ -54,6 +56,10 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
         raise PromptError("sweep needs at least one run (-n >= 1)")
     if not prompt:
         raise PromptError("sweep needs a non-empty --prompt")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
+    if max_tokens < 1:
+        raise PromptError(f"--max-tokens must be >= 1, got {max_tokens}")
     rng = random.Random(seed)
     needle = tuple(engine.encode(prompt))
     alone = engine.run([Request("needle", needle, max_tokens=max_tokens)], "concurrent").outputs["needle"].tokens
@@ -67,8 +73,8 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
         reqs = []
         for j in range(b - 1):
             text = rng.choice(FILLERS)
-            reqs.append(Request(f"f{j}", tuple(engine.encode(text)), max_tokens=rng.randint(8, max_tokens),
-                                arrival=rng.randint(0, 12)))
+            n = rng.randint(min(8, max_tokens), max_tokens)  # (8.. as before; --max-tokens below 8 too)
+            reqs.append(Request(f"f{j}", tuple(engine.encode(text)), max_tokens=n, arrival=rng.randint(0, 12)))
         reqs.insert(rng.randint(0, len(reqs)), Request("needle", needle, max_tokens=max_tokens,
                                                        arrival=rng.randint(0, 12)))
         out = engine.run(reqs, "concurrent").outputs["needle"]

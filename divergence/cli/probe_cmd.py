@@ -21,10 +21,10 @@ def main(args) -> int:
     from ..engine.model import load_model
     from ..probe import parse_rows, probe_model
 
-    rows = parse_rows(args.rows)
+    rows = parse_rows(_no_empty_items(args.rows, "--rows"))
     if args.tp is not None and args.tp > 1:
         return _probe_tp(args, rows)
-    kv_lens = parse_rows(args.kv_lens, "--kv-lens")
+    kv_lens = parse_rows(_no_empty_items(args.kv_lens, "--kv-lens"), "--kv-lens")
     target_dir, _ = default_model_dirs()
     loaded = load_model(args.model or target_dir, dtype=args.dtype)
     result = probe_model(loaded, rows, use_cache=not args.no_cache, kv_lens=kv_lens)
@@ -39,6 +39,15 @@ def main(args) -> int:
         name = f"{o['op']} {o['shape']} {o['dtype']}"
         print(f"  {name:<{w}}  {o['summary']}")
     return 0
+
+
+def _no_empty_items(text: str, what: str) -> str:
+    """A comma list with an empty item (`1,,2`, `1,2,`) is a typo, refused rather than read as `1,2`."""
+    from ..errors import DivergenceInputError
+
+    if ".." not in text and any(not x.strip() for x in text.split(",")):
+        raise DivergenceInputError(f"bad {what} {text!r}: an empty item in the comma list")
+    return text
 
 
 def _probe_tp(args, rows) -> int:

@@ -25,8 +25,14 @@ def main(args) -> int:
     from ..runner import RunConfig, load_models, make_engine
     from ..sweep import sweep
 
-    if args.max_batch < 1 or args.max_tokens < 1:
-        raise PromptError("--max-batch and --max-tokens must be >= 1")
+    from ..sweep import MAX_BATCH
+
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")
+    if args.max_tokens < 1:
+        raise PromptError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.n < 1:
+        raise PromptError("sweep needs at least one run (-n >= 1)")
     target_dir, _ = default_model_dirs()
     policy = args.policy or ("threshold:4" if args.model is None else "native")
     cfg = RunConfig(model=args.model or target_dir, dtype=args.dtype, policy=policy)

@@ -311,3 +311,34 @@ def test_a_config_that_is_not_an_object(tmp_path, capsys, text, needle):
     (m / "config.json").write_bytes(text if isinstance(text, bytes) else text.encode())
     rc, _, err = run(["run", "--model", m, "--out", tmp_path / "o", "--json"], capsys)
     one_line(rc, err, "config.json", needle)
+
+
+# -- 6. sweep and probe -------------------------------------------------------------------------
+
+def test_sweep_with_few_tokens_runs(capsys):
+    rc, out, err = run(["sweep", "-n", "1", "--max-tokens", "2", "--json"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["runs"] == 1
+
+
+@pytest.mark.parametrize("args, needle", [(["--max-batch", "100000"], "1..1024"), (["--max-batch", "0"], "1..1024"),
+                                          (["--max-tokens", "0"], "--max-tokens")])
+def test_sweep_bounds(capsys, args, needle):
+    rc, _, err = run(["sweep", "-n", "1", *args], capsys)
+    one_line(rc, err, needle)
+
+
+def test_sweep_api_bounds():
+    from divergence.errors import PromptError
+    from divergence.sweep import sweep
+
+    with pytest.raises(PromptError, match="max-batch"):
+        sweep(None, "x", runs=1, max_batch=100_000)
+
+
+@pytest.mark.parametrize("rows", ["1,,2", "1,2,", ",4"])
+def test_probe_rows_with_an_empty_item(capsys, rows):
+    rc, _, err = run(["probe", "--rows", rows], capsys)
+    one_line(rc, err, "--rows", "empty item")
+    rc, _, err = run(["probe", "--kv-lens", rows], capsys)
+    one_line(rc, err, "--kv-lens", "empty item")
