@@ -83,6 +83,9 @@ def validate(engine, requests) -> None:
     """Refuse bad requests (token ids, context length) before anything is written."""
     from .errors import PromptError
 
+    vocab = getattr(engine, "vocab", None)
+    if vocab and engine.top_k > vocab:
+        raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({vocab} tokens)")
     for r in requests:
         msg = engine.check(r)
         if msg:

@@ -20,6 +20,7 @@ from ..blas import using_blas_threads
 from ..core.names import BATCH_GENERATOR, LOGPROBS, REPLAYABLE_ENGINES
 from ..errors import PolicyError, ReplayError
 from .diff import DiffReport, diff_traces
+from .environment import check_this_process
 
 
 @dataclass
@@ -60,6 +61,9 @@ def parse_force(items) -> dict:
         op, eq, kernel = spec.partition("=")
         if not eq:
             word = spec.strip().lower()
+            if int(step) in out:
+                raise PolicyError(f"bad --force {item!r}: step {int(step)} is already forced; force a step once "
+                                  f"(one op at a time with STEP:OP=KERNEL)")
             out[int(step)] = SOLO if word == SOLO_NAME else UNSHARDED if word == UNSHARDED_NAME else _kernel(item, spec)
             continue
         if op not in OPS:
@@ -69,6 +73,8 @@ def parse_force(items) -> dict:
             raise PolicyError(f"bad --force {item!r}: step {step} is already forced as a whole")
         if kernel.strip().lower() == SOLO_NAME:
             raise PolicyError(f"bad --force {item!r}: solo applies to a whole step (STEP:solo), not to one op")
+        if op in per_op:
+            raise PolicyError(f"bad --force {item!r}: op {op} of step {step} is already forced; force it once")
         if kernel.strip().lower() == UNSHARDED_NAME:
             per_op[op] = UNSHARDED
             continue
@@ -174,6 +180,7 @@ class Replayer:
         from ..engine.replay import TokenSite, recorded_draws, replay_plans
 
         check_forced(trace, forced or {})
+        check_this_process(trace)  # another BLAS core would make every fp32 bit differ for that alone
         engine = self.engine_for(trace, observers=observers)
         sites = []
         for req in trace.requests:

@@ -342,3 +342,28 @@ def test_probe_rows_with_an_empty_item(capsys, rows):
     one_line(rc, err, "--rows", "empty item")
     rc, _, err = run(["probe", "--kv-lens", rows], capsys)
     one_line(rc, err, "--kv-lens", "empty item")
+
+
+# -- 7. --top-k beyond the vocabulary; a step forced twice ------------------------------------
+
+def test_top_k_beyond_the_vocabulary(tmp_path, capsys):
+    rc, _, err = run(["run", "--top-k", "5000", "--max-tokens", "2", "--out", tmp_path / "o", "--json"], capsys)
+    one_line(rc, err, "--top-k 5000", "1024")
+    assert not (tmp_path / "o").exists() or not list((tmp_path / "o").iterdir())
+
+
+@pytest.mark.parametrize("forces", [["8:gemv", "8:gemm"], ["8:gemv", "8:gemv"], ["8:q_proj=gemv", "8:gemm"],
+                                    ["8:q_proj=gemv", "8:q_proj=gemm"], ["8:solo", "8:q_proj=gemv"]])
+def test_a_step_forced_twice(capsys, forces):
+    args = ["replay", str(TRACES / "concurrent.h5")]
+    for f in forces:
+        args += ["--force", f]
+    rc, _, err = run(args, capsys)
+    one_line(rc, err, "--force", "already forced")
+
+
+def test_distinct_forcings_still_parse():
+    from divergence.analysis.replay import parse_force
+
+    got = parse_force(["8:q_proj=gemv", "8:k_proj=gemm", "9:gemv"])
+    assert set(got) == {8, 9} and set(got[8]) == {"q_proj", "k_proj"}
