@@ -14,6 +14,8 @@ from divergence.tui.data import BrowseData
 from .helpers import settle
 
 SIZE = (110, 36)
+# a laptop's default terminal and a large one: the table comes first at both
+SIZES = {"80x24": (80, 24), "160x48": (160, 48)}
 
 
 @pytest.fixture
@@ -54,3 +56,16 @@ def test_steps_at_the_root_cause(snap_compare, make_app, story_pair):
 def test_kv_grid(snap_compare, make_app, story_pair):
     assert snap_compare(make_app(*story_pair), terminal_size=SIZE, run_before=keys("k"))
 
+
+
+SCREENS = {"overview": (), "tokens": ("enter",), "steps": ("s",), "kv": ("k",)}
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("screen", SCREENS)
+def test_screen_at_size(snap_compare, make_app, story_pair, screen, size):
+    assert snap_compare(make_app(*story_pair), terminal_size=SIZES[size], run_before=keys(*SCREENS[screen]))
+
+
+def test_overview_with_run_settings_shown_at_80x24(snap_compare, make_app, story_pair):
+    assert snap_compare(make_app(*story_pair), terminal_size=SIZES["80x24"], run_before=keys("m"))

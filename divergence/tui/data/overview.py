@@ -86,7 +86,20 @@ def meta_rows(traces) -> list[tuple[str, list[str]]]:
 def _blas(env: dict) -> str | None:
     """The BLAS and, where recorded, its thread count (it changes fp32 bits: divergence/blas.py)."""
     n = env.get("blas_threads")
-    return env.get("blas") if n is None else f"{env.get('blas')} · {n} thread{'s' if n != 1 else ''}"
+    blas = _short_blas(env.get("blas"))
+    return blas if n is None else f"{blas} · {n} thread{'s' if n != 1 else ''}"
+
+
+def _short_blas(blas) -> str | None:
+    """'OpenBLAS (/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3)' -> 'OpenBLAS (…/openblas-pthread/
+    libblas.so.3)': the library's folder and file tell one BLAS from another; the prefix rarely does."""
+    if not isinstance(blas, str) or "(" not in blas or not blas.endswith(")"):
+        return blas
+    name, path = blas[:-1].split("(", 1)
+    parts = path.strip().split("/")
+    if len(parts) <= 3:
+        return blas
+    return f"{name}(…/{'/'.join(parts[-2:])})"
 
 
 def _tp(tp) -> str:

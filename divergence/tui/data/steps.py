@@ -180,6 +180,19 @@ class StepIndex:
             out[name] = compact_labels(dict.fromkeys(labels)) if labels else ""
         return out
 
+    def kernel_widths(self, sample: int = 2000) -> dict[str, int]:
+        """The widest kernel summary of each op class, over every step (or `sample` steps spread
+        evenly over a longer trace): the timeline's kernel columns are this wide."""
+        if self._kernels is None:
+            return {}
+        n = len(self.index)
+        rows = range(n) if n <= sample else np.linspace(0, n - 1, sample).astype(np.int64).tolist()
+        widths = {name: 0 for name, _ in OP_CLASSES}
+        for r in rows:
+            for name, text in (self.kernel_summary(int(r)) or {}).items():
+                widths[name] = max(widths[name], len(text))
+        return widths
+
     def kernel_rows(self, row: int) -> list[KernelRow] | None:
         k = self._kernel_slice(row)
         if k is None:

@@ -11,8 +11,12 @@ from textual.widgets import Footer, Header, Static
 from ..data import RequestRow
 from ..messages import OpenRequest, RowHighlighted, RowSelected
 from ..widgets.meta_panel import MetaPanel
-from ..widgets.virtual_table import Column, VirtualTable
+from ..widgets.virtual_table import Column, VirtualTable, fit
 from .base import BrowseScreen
+
+DETAIL_LINES = 9  # the detail panel's most lines (the report of one request)
+MIN_DETAIL_LINES = 3
+TABLE_ROWS = 14  # the table's lines the layout keeps before it gives the detail panel more
 
 
 class OverviewScreen(BrowseScreen):
@@ -23,15 +27,18 @@ class OverviewScreen(BrowseScreen):
     BINDINGS = [
         Binding("enter", "open", "tokens", show=False),
         Binding("d", "next_diverged", "next diverged"),
+        Binding("m", "toggle_settings", "run settings"),
     ]
 
     def __init__(self):
         super().__init__()
         self.rows: list[RequestRow] = []
         self._search = ""
+        self.settings_shown: bool | None = None  # None: decided by the terminal's height (m toggles it)
 
     def compose(self) -> ComposeResult:
         yield Header()
+        yield Static(id="overview-summary")
         with Horizontal(id="overview-meta"):
             yield MetaPanel("run", id="meta")
             yield MetaPanel("totals", id="totals")
@@ -46,12 +53,53 @@ class OverviewScreen(BrowseScreen):
         self.refresh_data()
         self.query_one("#requests", VirtualTable).focus()
 
+    def on_resize(self) -> None:
+        self._layout()
+
+    def _meta_height(self) -> int:
+        return max(len(self.data.meta_rows()), len(self.data.totals())) + 3  # title, header, border
+
+    def _layout(self) -> None:
+        """The request table first: the run settings take the screen only when it has room to spare
+        (or when `m` asks for them); the detail panel gives up lines on a short terminal."""
+        avail = (self.size.height or self.app.size.height) - 2  # header, footer
+        table = min(len(self.rows) + 1, TABLE_ROWS)  # the table's header and rows, as many as fit
+        shown = self.settings_shown
+        if shown is None:
+            shown = avail - self._meta_height() - table - 1 - DETAIL_LINES >= 0
+        rest = avail - (self._meta_height() if shown else 1) - table - 1  # 1: the detail's border
+        detail = max(MIN_DETAIL_LINES, min(DETAIL_LINES, rest))
+        self.query_one("#request-detail", Static).styles.height = detail + 1
+        self.query_one("#overview-meta").display = shown
+        summary = self.query_one("#overview-summary", Static)
+        summary.display = not shown
+        if not shown:
+            d = self.data
+            t = Text(" vs ".join(d.label(s) for s in d.sides), style="bold")
+            pol = dict(d.meta_rows()).get("policy", [])
+            if pol:
+                t.append(f" · policy {' / '.join(dict.fromkeys(pol))}")
+            tot = dict(d.totals())
+            t.append(f" · {tot['requests'][0]} requests · steps {' / '.join(tot['steps'])}")
+            t.append("   m: run settings", style="dim")
+            summary.update(t)
+
+    def action_toggle_settings(self) -> None:
+        shown = self.query_one("#overview-meta").display
+        self.settings_shown = not shown
+        self._layout()
+
     def _columns(self) -> list[Column]:
+        """Widths fit the rows; the status and the root cause come first (a narrow terminal scrolls
+        the rest off the right, and the detail panel says them)."""
+        rid = fit("request", (r.id for r in self.rows), most=24)
         if self.data.two:
-            return [Column("request", 10), Column("prompt", 6, "right"), Column("A tok", 6, "right"),
-                    Column("B tok", 6, "right"), Column("status", 24), Column("numeric Δ", 9, "right"),
-                    Column("root cause", 34), Column("co-batched (B)", 0)]
-        return [Column("request", 10), Column("prompt", 6, "right"), Column("tokens", 6, "right"),
+            return [Column("request", rid), Column("A tok", 6, "right"), Column("B tok", 6, "right"),
+                    Column("status", fit("status", (r.status_text() for r in self.rows), most=32)),
+                    Column("root cause", fit("root cause", (r.cause_text() for r in self.rows), most=48)),
+                    Column("numeric Δ", 9, "right"), Column("prompt", 6, "right"),
+                    Column("co-batched (B)", 0, least=14)]
+        return [Column("request", rid), Column("prompt", 6, "right"), Column("tokens", 6, "right"),
                 Column("finished", 8, "right"), Column("text", 0)]
 
     def refresh_data(self) -> None:
@@ -62,6 +110,7 @@ class OverviewScreen(BrowseScreen):
         current = self.browser.current_request
         cursor = next((i for i, r in enumerate(self.rows) if r.id == current), 0)
         table.set_rows(len(self.rows), self._render_row, self._columns(), cursor=cursor)
+        self._layout()
         self._show_detail(table.cursor)
 
     def _render_row(self, i: int):
@@ -78,8 +127,8 @@ class OverviewScreen(BrowseScreen):
                       "yellow" if "logits differ" in text else "green")
         co = ", ".join(r.cause.co_batched_b) if r.cause else ""
         n_b = "…" if r.len_b is None else str(r.len_b)
-        return ([r.id, str(r.prompt_len), n_a, n_b, status, r.numeric_text(),
-                 Text(r.cause_text(), style="red" if r.cause else ""), co], "bold" if r.diverged else None)
+        return ([r.id, n_a, n_b, status, Text(r.cause_text(), style="red" if r.cause else ""), r.numeric_text(),
+                 str(r.prompt_len), co], "bold" if r.diverged else None)
 
     @on(RowHighlighted, "#requests")
     def _highlighted(self, event: RowHighlighted) -> None:
@@ -108,6 +157,7 @@ class OverviewScreen(BrowseScreen):
             detail.update(Text(f"analysis failed: {d.analysis_error}", style="red"))
             return
         lines = d.report_lines(r.id) if d.two else [f"{r.id}  prompt: {d.prompt_text(r.id)!r}"]
+        # one line each (cut at the edge, not wrapped): the root cause stays in view on a small terminal
         text = Text("\n".join(lines))
         text.append("\nenter: tokens · s: steps · k: KV cache", style="dim")
         detail.update(text, layout=False)

@@ -16,6 +16,8 @@ from .base import BrowseScreen
 
 
 MAX_SLICES = 9  # lines of the detail panel's tables (it has a fixed height)
+NARROW = 100  # below this width: no ms column, narrower detail tables
+KERNEL_MOST = 24  # a kernel column is never wider
 
 
 class StepScreen(BrowseScreen):
@@ -37,6 +39,7 @@ class StepScreen(BrowseScreen):
         self.start_step = step
         self.marks: dict[int, list[StepMark]] = {}
         self._search = ""
+        self.kernel_widths: dict[int, dict[str, int]] = {}  # side -> op class -> width
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -50,12 +53,36 @@ class StepScreen(BrowseScreen):
         return self.query_one("#steps", VirtualTable)
 
     def on_mount(self) -> None:
+        self._fit()
         self.show_side(self.side, self.start_step)
         self.table.focus()
+
+    @property
+    def narrow(self) -> bool:
+        return (self.size.width or self.app.size.width) < NARROW
+
+    def _detail_lines(self) -> int:
+        """Lines of the detail panel's tables: all MAX_SLICES on a tall terminal; on a short one the
+        timeline keeps about two thirds of the screen."""
+        h = self.size.height or self.app.size.height
+        return max(2, min(MAX_SLICES, h // 3 - 3))
+
+    def _fit(self) -> None:
+        self.query_one("#step-detail", Static).styles.height = self._detail_lines() + 3  # border, title, header
+
+    def on_resize(self) -> None:
+        self._fit()
+        cols = self._columns()
+        if cols != self.table.columns:
+            self.table.set_rows(self.table.row_count, columns=cols)
+        self._title()
+        self._detail(self.table.cursor)
 
     def show_side(self, side: int, step: int | None = None) -> None:
         self.side = side
         idx = self.data.steps(side)
+        if idx.kernels_ready and side not in self.kernel_widths:
+            self.kernel_widths[side] = idx.kernel_widths()
         self.marks = self.data.step_marks(side)
         if step is None:
             step = self._root_step()
@@ -69,12 +96,16 @@ class StepScreen(BrowseScreen):
 
     @work(thread=True, exclusive=True, group="kernels")
     def load_kernels(self, side: int) -> None:
-        self.data.steps(side).load_kernels()
+        idx = self.data.steps(side)
+        idx.load_kernels()
+        self.kernel_widths[side] = idx.kernel_widths()
         self.app.post_message(KernelsReady(side))  # the app tells every screen
 
     def on_kernels_ready(self, message: KernelsReady) -> None:
         if message.side == self.side:
-            self.table.refresh_rows()
+            if self.side not in self.kernel_widths:  # another screen's worker read them
+                self.kernel_widths[self.side] = self.data.steps(self.side).kernel_widths()
+            self.table.set_rows(self.table.row_count, columns=self._columns())
             self._detail(self.table.cursor)
 
     def refresh_data(self) -> None:
@@ -90,12 +121,15 @@ class StepScreen(BrowseScreen):
         return None
 
     def _title(self) -> None:
+        """One line when it fits (the file name is in the app's header), else the marks on a second;
+        each line cut at the edge, never wrapped mid-phrase."""
         d = self.data
         idx = d.steps(self.side)
-        t = Text(f"{d.label(self.side)}", style="bold")
-        t.append(f" · {len(idx)} steps · {d.trace(self.side).path.name}")
+        head = Text(f"{d.label(self.side)}", style="bold")
+        head.append(f" · {len(idx)} steps")
         rid = self.browser.current_request
-        t.append(f" · {S.IN_STEP} = holds {rid}", style="cyan")
+        head.append(f" · {S.IN_STEP} holds {rid}", style="cyan")
+        marks: list[Text] = []
         others = 0
         for step, why in sorted(self.marks.items()):
             for m in why:
@@ -103,16 +137,34 @@ class StepScreen(BrowseScreen):
                     others += 1
                     continue
                 mark = S.ROOT_CAUSE if m.root else S.DIVERGENT_STEP
-                t.append(f" · {mark} step {step}: {m.text}", style="red" if m.root else "yellow")
+                marks.append(Text(f"{mark} step {step}: {m.text}", style="red" if m.root else "yellow"))
         if others:
-            t.append(f" · {others} marks of other requests", style="dim")
+            marks.append(Text(f"{others} marks of other requests", style="dim"))
         if d.two and not d.analysed:
-            t.append(" · analysing…", style="dim")
-        self.query_one("#steps-title", Static).update(t)
+            marks.append(Text("analysing…", style="dim"))
+        tail = Text(" · ").join(marks)
+        width = (self.size.width or self.app.size.width) - 2  # padding
+        t = head.copy()
+        if marks and head.cell_len + 3 + tail.cell_len <= width:
+            t.append(" · ")
+            t.append_text(tail)
+        elif marks:
+            t.append("\n")
+            t.append_text(tail)
+        lines = t.split("\n")
+        for line in lines:
+            line.truncate(width, overflow="ellipsis")
+        self.query_one("#steps-title", Static).update(Text("\n").join(lines))
 
     def _columns(self) -> list[Column]:
-        return [Column("", 1), Column("", 1), Column("step", 6, "right"), Column("model", 6), Column("rows", 5, "right"),
-                Column("ms", 7, "right"), Column("composition", 0)] + [Column(n, 11) for n, _ in OP_CLASSES]
+        """The kernel columns as wide as their widest label (once the kernel table is read); the
+        composition takes the rest."""
+        widths = self.kernel_widths.get(self.side, {})
+        kern = [Column(n, max(len(n), min(KERNEL_MOST, widths[n])) if widths.get(n) else 11)
+                for n, _ in OP_CLASSES]
+        ms = [] if self.narrow else [Column("ms", 7, "right")]
+        return [Column("", 1), Column("", 1), Column("step", 6, "right"), Column("model", 6),
+                Column("rows", 5, "right")] + ms + [Column("composition", 0, least=20)] + kern
 
     def _render_row(self, i: int):
         idx = self.data.steps(self.side)
@@ -127,8 +179,8 @@ class StepScreen(BrowseScreen):
         k = r.kernels
         kernels = [k.get(n, "") for n, _ in OP_CLASSES] if k is not None else ["…"] * len(OP_CLASSES)
         kcells = [Text(x, style="magenta" if x.startswith("gemm") else "") for x in kernels]
-        return [mark, Text(here, style="cyan"), str(r.step), r.model, str(r.rows), f"{r.duration_ms:.1f}",
-                r.composition] + kcells, style
+        ms = [] if self.narrow else [f"{r.duration_ms:.1f}"]
+        return [mark, Text(here, style="cyan"), str(r.step), r.model, str(r.rows)] + ms + [r.composition] + kcells, style
 
     @on(RowHighlighted, "#steps")
     def _highlighted(self, event: RowHighlighted) -> None:
@@ -149,20 +201,26 @@ class StepScreen(BrowseScreen):
         for m in det.marks:
             text.append(f"   {S.ROOT_CAUSE if m.root else S.DIVERGENT_STEP} {m.text}",
                         style="bold red" if m.root else "bold yellow")
-        left = [S.cells(("request", 10), ("phase", 8), ("positions", 13), ("rows", 11))]
-        for sl in det.slices[:MAX_SLICES]:
-            left.append(S.cells((sl["request_id"], 10), (sl["phase"], 8),
-                                (f"{sl['start']}..{sl['start'] + sl['count'] - 1}", 13),
-                                (f"{sl['row_offset']}..{sl['row_offset'] + sl['count'] - 1}", 11)))
-        if len(det.slices) > MAX_SLICES:
-            left.append(Text(f"… {len(det.slices) - MAX_SLICES} more slices", style="dim"))
-        right = [S.cells(("op", 10), ("layers", 7), ("kernel", 8), ("M×N×K", 16))]
+        n = self._detail_lines()
+        wl, wr = ((8, 7, 10, 9), (9, 6, 8, 12)) if self.narrow else ((10, 8, 13, 11), (10, 7, 8, 16))
+        left = [S.cells(("request", wl[0]), ("phase", wl[1]), ("positions", wl[2]), ("rows", wl[3]))]
+        shown = det.slices[:n] if len(det.slices) <= n else det.slices[:n - 1]
+        for sl in shown:
+            left.append(S.cells((sl["request_id"], wl[0]), (sl["phase"], wl[1]),
+                                (f"{sl['start']}..{sl['start'] + sl['count'] - 1}", wl[2]),
+                                (f"{sl['row_offset']}..{sl['row_offset'] + sl['count'] - 1}", wl[3])))
+        if len(det.slices) > len(shown):
+            left.append(Text(f"… {len(det.slices) - len(shown)} more slices", style="dim"))
+        right = [S.cells(("op", wr[0]), ("layers", wr[1]), ("kernel", wr[2]), ("M×N×K", wr[3]))]
         if not d.steps(self.side).kernels_ready:
             right.append(Text("reading the kernel table…", style="dim"))
-        for k in det.kernels[:MAX_SLICES]:
-            right.append(S.cells((k.op, 10), (k.layers, 7),
-                                 (Text(k.kernel, style="magenta" if k.kernel.startswith("gemm") else ""), 8),
-                                 (f"{k.m}×{k.n}×{k.k}", 16)))
+        kernels = det.kernels[:n] if len(det.kernels) <= n else det.kernels[:n - 1]
+        for k in kernels:
+            right.append(S.cells((k.op, wr[0]), (k.layers, wr[1]),
+                                 (Text(k.kernel, style="magenta" if k.kernel.startswith("gemm") else ""), wr[2]),
+                                 (f"{k.m}×{k.n}×{k.k}", wr[3])))
+        if len(det.kernels) > len(kernels):
+            right.append(Text(f"… {len(det.kernels) - len(kernels)} more kernel rows", style="dim"))
         left[0].stylize("dim")
         right[0].stylize("dim")
         width = left[0].cell_len
@@ -171,7 +229,7 @@ class StepScreen(BrowseScreen):
             a.align("left", width)
             text.append("\n")
             text.append_text(a)
-            text.append("    ")
+            text.append("  " if self.narrow else "    ")
             if i < len(right):
                 text.append_text(right[i])
         widget.update(text, layout=False)

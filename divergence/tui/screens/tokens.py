@@ -11,9 +11,13 @@ from .. import styles as S
 from ..data import A, B, TokenAlignment, fmt_delta
 from ..messages import OpenStep, RowHighlighted, RowSelected
 from ..widgets.routing import RoutingPanel
-from ..widgets.topk import TopKPanel
+from ..widgets.topk import SIDE_WIDTH, GAP, TopKPanel
 from ..widgets.virtual_table import Column, VirtualTable
 from .base import BrowseScreen
+
+TABLE_LINES = 8  # the token table's lines (header + rows) the top-k panel leaves on a short terminal
+NARROW = 2 * SIDE_WIDTH + len(GAP) + 4  # below this width: fewer columns, no Δ in the top-k
+NARROW_KEEP = (0, 1, 4, 5, 6, 8, 9, 10, 11)  # mark, pos, A id/text/margin, B id/text/margin, max |Δlogit|
 
 
 class TokenScreen(BrowseScreen):
@@ -49,8 +53,32 @@ class TokenScreen(BrowseScreen):
 
     def on_mount(self) -> None:
         self.query_one("#token-text", Static).styles.height = len(self.data.traces)
+        self._fit()
         self.show_request(self.request_id, self.start_position)
         self.query_one("#tokens", VirtualTable).focus()
+
+    @property
+    def narrow(self) -> bool:
+        return self.data.two and (self.size.width or self.app.size.width) < NARROW
+
+    def _fit(self) -> None:
+        """The token table keeps TABLE_LINES lines: the top-k panel shows as many candidates as fit
+        below it, and a narrow terminal gets the columns that matter (and no Δ columns in the top-k)."""
+        h = self.size.height or self.app.size.height
+        title = self.query_one("#token-title", Static)
+        title_lines = max(1, title.size.height) if title.size.height else 2
+        fixed = 2 + title_lines + 2 + len(self.data.traces)  # header, footer, title, prompt, legend, texts
+        panel = self.query_one("#topk", TopKPanel)
+        panel.max_rows = max(2, h - fixed - TABLE_LINES - 4)  # 4: border, title, side titles, header
+        panel.narrow = self.narrow
+
+    def on_resize(self) -> None:
+        narrow = self.query_one("#topk", TopKPanel).narrow
+        self._fit()
+        if self.al is not None:
+            if narrow != self.narrow:
+                self.table.set_rows(len(self.al), self._render_row, self._columns())
+            self._show_topk(self.table.cursor)
 
     @property
     def table(self) -> VirtualTable:
@@ -116,7 +144,13 @@ class TokenScreen(BrowseScreen):
         for s in "AB":
             cols += [Column(f"{s} step", 6, "right"), Column(f"{s} id", 6, "right"), Column(f"{s} text", 12),
                      Column(f"{s} margin", 9, "right")]
-        return cols + [Column("max |Δlogit|", 12, "right")]
+        cols += [Column("max |Δlogit|", 12, "right")]
+        if self.narrow:
+            cols = [cols[i] for i in NARROW_KEEP]
+            cols = [c._replace(width=5) if c.label.endswith(" id") else c._replace(width=8, label=f"{c.label[0]} marg.")
+                    if c.label.endswith("margin") else c._replace(label="max |Δ|", width=9) if c.label.startswith("max")
+                    else c for c in cols]
+        return cols
 
     def _side_cells(self, s: int, i: int, differs: bool) -> list:
         al = self.al
@@ -154,6 +188,8 @@ class TokenScreen(BrowseScreen):
         dl = al.max_delta(i)
         cells.append(Text(fmt_delta(dl).lstrip("+") if dl else ("0" if al.present[:, i].all() else ""),
                           style="yellow" if dl else "dim"))
+        if self.narrow:
+            cells = [cells[k] for k in NARROW_KEEP]
         return cells, row_style
 
     @on(RowHighlighted, "#tokens")

@@ -23,8 +23,14 @@ RowRenderer = Callable[[int], "tuple[list[Text | str], Style | str | None]"]
 
 class Column(NamedTuple):
     label: str
-    width: int  # 0: take the width left over (at least MIN_FLEX)
+    width: int  # 0: take the width left over (at least `least`)
     justify: str = "left"  # left | right | center
+    least: int = MIN_FLEX  # a flexible column's narrowest width
+
+
+def fit(label: str, texts, *, least: int = 1, most: int = 80) -> int:
+    """A column width that holds the label and every text (clamped to least..most)."""
+    return max(least, min(most, max([len(label)] + [len(t) for t in texts])))
 
 
 class VirtualTable(ScrollView, can_focus=True):
@@ -63,14 +69,15 @@ class VirtualTable(ScrollView, can_focus=True):
         self.row_count = row_count
         self.render_row = render_row or (lambda i: ([], None))
         self._cache: LRUCache[tuple, Strip] = LRUCache(1024)
+        self._center_pending = False  # move_cursor(center=True) before the table had a size
 
     # -- content --
     def _widths(self) -> list[int]:
         fixed = sum(c.width for c in self.columns) + max(0, len(self.columns) - 1)
         flex = [c for c in self.columns if not c.width]
         spare = self.scrollable_content_region.width - fixed if self.is_mounted else 0
-        each = max(MIN_FLEX, spare // len(flex)) if flex else 0
-        return [c.width or each for c in self.columns]
+        each = spare // len(flex) if flex else 0
+        return [c.width or max(c.least, each) for c in self.columns]
 
     @property
     def content_width(self) -> int:
@@ -79,6 +86,16 @@ class VirtualTable(ScrollView, can_focus=True):
     def on_resize(self) -> None:
         self._cache.clear()
         self.virtual_size = Size(self.content_width, self.row_count + 1)
+        # a cursor placed before the table had its size (a screen opening on row 127) comes into view
+        self.call_after_refresh(self._cursor_into_view)
+
+    def _cursor_into_view(self) -> None:
+        if not self.row_count or not self.scrollable_content_region.height:
+            return
+        center, self._center_pending = self._center_pending, False
+        top = round(self.scroll_y)
+        if center or not top <= self.cursor < top + self.page_rows:
+            self.scroll_to_row(self.cursor, center=True)
 
     def set_rows(self, row_count: int, render_row: RowRenderer | None = None, columns: list[Column] | None = None,
                  *, cursor: int | None = None) -> None:
@@ -129,6 +146,8 @@ class VirtualTable(ScrollView, can_focus=True):
     def move_cursor(self, row: int, *, center: bool = True) -> None:
         row = self.validate_cursor(row)
         if center:
+            if not self.scrollable_content_region.height:
+                self._center_pending = True
             self.scroll_to_row(row, center=True)
         self.cursor = row
 
