@@ -189,7 +189,9 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
     if use_cache:
         try:
             cpath.parent.mkdir(parents=True, exist_ok=True)
-            cpath.write_text(json.dumps(cache))
+            from .core.atomic import write_atomic
+
+            write_atomic(cpath, json.dumps(cache))  # a full disk keeps the old cache, not half of a new one
         except OSError:
             pass
     from .engine.engine import environment

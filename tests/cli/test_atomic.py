@@ -70,3 +70,23 @@ def test_the_html_page_is_written_whole(tmp_path, capsys):
                      capsys)
     assert rc in (0, 1), err
     assert page.read_text().startswith("<!DOCTYPE html>") and sorted(tmp_path.iterdir()) == [page]
+
+
+def test_a_full_disk_keeps_the_probe_cache(tmp_path, capsys, monkeypatch):
+    """probe's cache (probe.json) is written atomically: a failed write keeps the old file whole."""
+    import divergence.core.atomic as atomic
+
+    monkeypatch.setenv("DIVERGENCE_CACHE_DIR", str(tmp_path))
+    cache = tmp_path / "probe.json"
+    cache.write_text("{}")
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(cache)):
+            _enospc()
+        return real(fd)
+
+    monkeypatch.setattr(atomic.os, "fsync", fsync)
+    rc, _, err = run(["probe", "--rows", "1,2", "--kv-lens", "64", "--json"], capsys)
+    assert rc == 0, err  # the cache is a cache: the probe still reports
+    assert cache.read_text() == "{}" and not list(tmp_path.glob("probe.json.*"))
