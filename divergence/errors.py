@@ -39,6 +39,11 @@ class ReplayError(DivergenceInputError):
     """A trace cannot be replayed (e.g. the model's weights changed)."""
 
 
+class EnvironmentMismatchError(ReplayError):
+    """A trace was recorded under a numeric environment (BLAS library, OpenBLAS core) that
+    this process does not run under, or that this machine cannot provide at all."""
+
+
 class RecordError(DivergenceInputError):
     """A record another engine gave (divergence.record, `divergence import`) breaks the
     recording contract (docs/recording.md): missing field, wrong type, unknown request..."""

@@ -53,6 +53,11 @@ class Reproduction:
     env: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)
     fields: list = field(default_factory=list)  # the BLAS fields that differ from this process's
+    notes: list = field(default_factory=list)  # fields that differ but no process here can change
+
+    def describe(self) -> str:
+        """'OPENBLAS_CORETYPE=SkylakeX' (what a child process is started with)."""
+        return " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
 
     @property
     def possible(self) -> bool:
@@ -93,9 +98,9 @@ def reproduction(want: dict, here: dict | None = None) -> Reproduction:
             out.missing.append(f"blas_core: OpenBLAS core {core!r} is not one this tool knows how to force")
         else:
             out.env[CORE_ENV] = core
-    for k in ("mlx",):
+    for k in ("mlx",):  # named, not refused: a replay under another MLX is usually still the recording
         if k in want and want[k] != here.get(k):
-            out.missing.append(f"{k}: recorded {want[k]}, this machine has {here.get(k)}")
+            out.notes.append(f"{k}: recorded {want[k]}, this machine has {here.get(k)}")
     if out.missing:
         out.env = {}
     return out
@@ -113,3 +118,25 @@ def child_environment(rep: Reproduction) -> dict:
     env.update(rep.env)
     env[REEXEC_ENV] = "1"
     return env
+
+
+def check_this_process(trace) -> None:
+    """Refuse to replay `trace` in this process when it was recorded under another BLAS
+    environment: its bits would differ for that reason alone (a false mismatch).
+    EnvironmentMismatchError, one line, saying what to do."""
+    from ..errors import EnvironmentMismatchError
+
+    rep = reproduction(recorded(trace))
+    if rep.missing:
+        raise EnvironmentMismatchError(f"{trace.path} cannot be replayed on this machine: {rep.missing[0]}")
+    if rep.needs_child:
+        want = recorded(trace)
+        raise EnvironmentMismatchError(
+            f"{trace.path} was recorded under {describe_blas(want)}; this process runs "
+            f"{describe_blas(this_process())}: replay it in a process started with {rep.describe()} "
+            f"(the divergence CLI does so itself)")
+
+
+def describe_blas(env: dict) -> str:
+    core = env.get("blas_core")
+    return str(env.get("blas")) + (f", core {core}" if core else "")

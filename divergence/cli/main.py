@@ -50,6 +50,11 @@ def main(argv=None) -> int:
     try:
         from .tp_cli import distribute
 
+        from .reexec import run_under_recorded_environment
+
+        code = run_under_recorded_environment(args, argv)  # traces of another OpenBLAS core
+        if code is not None:
+            return code
         code = distribute(args, argv)  # --tp: start the ranks here, or run as one of them
         if code is not None:
             return code

@@ -1,0 +1,58 @@
+"""Run a replaying command under the BLAS environment its traces were recorded in.
+
+OpenBLAS picks its core (and divergence its BLAS library) when the library loads, before
+MLX, so one process cannot switch them. A command that replays traces recorded under
+another core (`replay`, `bisect --confirm`/`--ops`, `report --confirm`) is run again in a
+child process started with that core; where this CPU cannot run it, one line and exit 2.
+A pair recorded in two environments is left to the analysis (it replays each side under
+its own environment, and confirms an environment cause by replaying B under A's).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from ..errors import EnvironmentMismatchError
+
+
+def replayed_traces(args) -> list[str]:
+    """The traces this command will replay with divergence's engine (none: it replays nothing)."""
+    if args.command == "replay":
+        return [args.trace]
+    if args.command in ("bisect", "report") and not getattr(args, "confirm_cmd", None):
+        if args.confirm or getattr(args, "ops", None):
+            return [args.a, args.b]
+    return []
+
+
+def run_under_recorded_environment(args, argv) -> int | None:
+    """The child's exit code when the command had to run in a child process; None when this
+    process already runs under the traces' environment (or the command replays nothing)."""
+    from ..analysis.environment import REEXEC_ENV, child_environment, recorded, reproduction
+
+    paths = replayed_traces(args)
+    if not paths or os.environ.get(REEXEC_ENV):
+        return None
+    from ..analysis.environment import BLAS_FIELDS
+    from ..trace.reader import Trace
+
+    envs = []
+    for p in paths:
+        try:
+            with Trace.open(p) as t:
+                envs.append(recorded(t))
+        except Exception:  # the command itself reports a trace it cannot open, in its own words
+            return None
+    if any({k: e.get(k) for k in BLAS_FIELDS} != {k: envs[0].get(k) for k in BLAS_FIELDS} for e in envs[1:]):
+        return None  # an environment pair: each side is replayed under its own (analysis/environment.py)
+    rep = reproduction(envs[0])
+    if rep.missing:
+        raise EnvironmentMismatchError(f"{paths[0]} cannot be replayed on this machine: {rep.missing[0]} "
+                                       f"(a replay here would differ for that reason alone)")
+    if not rep.needs_child:
+        return None
+    print(f"note: replaying under the recorded BLAS environment ({rep.describe()}) in a child process",
+          file=sys.stderr)
+    sys.stderr.flush()
+    return subprocess.call([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
