@@ -75,13 +75,14 @@ class OverviewScreen(BrowseScreen):
         summary.display = not shown
         if not shown:
             d = self.data
-            t = Text(" vs ".join(d.label(s) for s in d.sides), style="bold")
+            t = Text("m", style="bold")
+            t.append(" run settings · ", style="dim")
+            t.append(" vs ".join(d.label(s) for s in d.sides), style="bold")
             pol = dict(d.meta_rows()).get("policy", [])
             if pol:
-                t.append(f" · policy {' / '.join(dict.fromkeys(pol))}")
+                t.append(f" · {' / '.join(dict.fromkeys(pol))}")
             tot = dict(d.totals())
-            t.append(f" · {tot['requests'][0]} requests · steps {' / '.join(tot['steps'])}")
-            t.append("   m: run settings", style="dim")
+            t.append(f" · {tot['requests'][0]} requests · {' / '.join(tot['steps'])} steps")
             summary.update(t)
 
     def action_toggle_settings(self) -> None:
