@@ -125,14 +125,11 @@ def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype, batches: li
 
 
 def cache_key(shape: str, dtype: str, quant, rows) -> str:
-    import mlx
+    from .engine.backend_proofs import fingerprint
 
-    from .blas import blas_in_use
-    from .engine.environment import environment
-
-    env = environment()
-    raw = json.dumps([PROBE_METHOD, env["device"], env["device_name"], getattr(mlx.core, "__version__", "?"),
-                      blas_in_use(), shape, dtype, quant, list(rows)])
+    # the backend's fingerprint (device, MLX, BLAS, its core and threads): a map made under
+    # one OpenBLAS core is never reused under another
+    raw = json.dumps([PROBE_METHOD, fingerprint(), shape, dtype, quant, list(rows)], sort_keys=True)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
