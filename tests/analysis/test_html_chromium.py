@@ -4,6 +4,8 @@ it parsed holds the root-cause text and the plots as SVG, the screenshot is not 
 and the file names no http(s) resource."""
 from __future__ import annotations
 
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -49,6 +51,19 @@ def test_demo_page_is_small_and_names_no_web_resource(demo_page):
     assert "root cause: cache contamination" in html and "confirmed by replay" in html
 
 
+def test_logit_drift_has_its_own_status_on_the_page(demo_page):
+    """r2-r4 have the same tokens and other logits: the CLI says "tokens identical; logits differ",
+    and the page says so too, not a green "identical"."""
+    html = demo_page[2].read_text(encoding="utf-8")
+    cards = {m.group(1): m.group(0) for m in re.finditer(r"id='request-([^']+)'.*?(?=<div class='card|<h2)", html, re.S)}
+    for rid in ("r2", "r3", "r4"):
+        card = cards[rid]
+        assert card.startswith(f"id='request-{rid}'") and "identical tokens, logits differ" in card
+        assert "<span class='status identical'>" not in card
+    assert "3 more with identical tokens but other logits (r2, r3, r4)" in html
+    assert "\\u0394" not in html
+
+
 def test_bitwise_page_gives_every_logit_drift_its_plots_and_cause(demo_page):
     """With --bitwise, r2-r4 (same tokens, other logits) are diverged too: each gets its cause,
     a margin plot with the first numeric difference and no flip, and a KV grid."""
@@ -66,7 +81,8 @@ def test_bitwise_page_gives_every_logit_drift_its_plots_and_cause(demo_page):
     cards = {m.group(1): m.group(0) for m in re.finditer(r"id='request-([^']+)'.*?(?=<div class='card|<h2)", html, re.S)}
     for r in drift:
         card = cards[r.id]
-        assert f">(position {r.first_numeric_divergence.position})</text>" in card and "<mark" not in card
+        assert f">first numeric difference (position {r.first_numeric_divergence.position})</text>" in card
+        assert "<mark" not in card
         assert f"id='cause-{r.id}'" in html
 
 
@@ -87,17 +103,19 @@ def test_demo_page_renders_in_headless_chromium(demo_page, tmp_path):
     assert f"written in concurrent step {cause.b.step}" in parsed
     # the plots are SVG elements of the DOM, with their marks
     m = re.search(r'<div class="figure margin-plot"><svg\b.*?</svg>', parsed, re.S)
-    assert m and ">first numeric difference</text>" in m.group(0) and ">flip</text>" in m.group(0)
+    assert m and ">first numeric difference (position " in m.group(0) and ">flip (position 127)</text>" in m.group(0)
     assert re.search(r'<div class="figure kv-grid"><svg\b', parsed)
     assert re.search(r'<div class="figure timeline-plot"><svg\b', parsed)
 
     shot = tmp_path / "page.png"
-    res = chromium(f"--screenshot={shot}", "--window-size=1280,2400", url, tmp_path=tmp_path)
+    res = chromium(f"--screenshot={shot}", "--window-size=1400,2400", url, tmp_path=tmp_path)
     assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]
     from PIL import Image
 
     im = Image.open(shot).convert("RGB")
-    assert im.size == (1280, 2400)
+    assert im.size == (1400, 2400)
+    if os.environ.get("DIVERGENCE_REPORT_PNG"):  # how docs/report.png is made: this render, kept
+        shutil.copyfile(shot, os.environ["DIVERGENCE_REPORT_PNG"])
     small = im.resize((320, 600))
     colors = small.getcolors(maxcolors=320 * 600)
     background = max(colors)[1]
@@ -151,3 +169,62 @@ def test_browser_and_page_count_the_same_kv_cells_the_divergent_step_read(demo_p
         assert f"{on_page[0]} of {on_page[1]} cells differ" in asyncio.run(title())
     finally:
         data.close()
+
+
+# Appended to a copy of the page (the page itself has no script): measures, as the browser laid it
+# out, what sticks out of the viewport (scroll boxes hold what is wider: they scroll on their own),
+# how large the plots' text is drawn, and whether the marked divergent token is in view (not hidden
+# in a box of its own scroll).
+PROBE = """<script>
+(() => {
+  const vw = document.documentElement.clientWidth, out = [];
+  const scrolls = el => { for (let p = el.parentElement; p; p = p.parentElement) {
+      const o = getComputedStyle(p).overflowX; if (o === 'auto' || o === 'scroll' || o === 'hidden') return true; }
+    return false; };
+  for (const el of document.body.querySelectorAll('*')) {
+    const r = el.getBoundingClientRect();
+    if (r.width && (r.right > vw + 1 || r.left < -1) && !scrolls(el)) out.push(el.tagName + '.' + el.className + ' ' + Math.round(r.left) + '..' + Math.round(r.right));
+  }
+  const plots = [...document.querySelectorAll('.figure svg')].map(s => {
+    const t = s.querySelector('text'); return t ? t.getBoundingClientRect().height : 0; });
+  const marks = [...document.querySelectorAll('mark.flip')].map(m => {
+    const r = m.getBoundingClientRect();
+    for (let p = m.parentElement; p; p = p.parentElement) {
+      const b = p.getBoundingClientRect();
+      if (getComputedStyle(p).overflowY !== 'visible' && (r.top < b.top || r.bottom > b.bottom)) return false; }
+    return true; });
+  const pre = parent.document.createElement('pre'); pre.id = 'probe';
+  pre.textContent = JSON.stringify({viewport: vw, doc: document.documentElement.scrollWidth, out, plots, marks});
+  parent.document.body.appendChild(pre);
+})();
+</script>"""
+
+
+@needs_chromium
+@pytest.mark.parametrize("width", [390, 1400])
+def test_demo_page_fits_a_phone_and_a_desktop(demo_page, tmp_path, width):
+    """At a phone's 390 px and a desktop's 1400 px: nothing runs off the page sideways (wide tables
+    and plots scroll in their own box), the plots' text stays readable, and every marked first
+    divergent token is on the page, not scrolled away inside its text box."""
+    import html as H
+
+    page = demo_page[2]
+    probed = page.read_text(encoding="utf-8").replace("</body>", PROBE + "</body>")
+    # a frame of exactly that width (a headless window is never narrower than 500 px); srcdoc: the
+    # frame shares the wrapper's origin, so the probe can write its result where --dump-dom sees it
+    probe = tmp_path / "probe.html"
+    probe.write_text(f"<!DOCTYPE html><html><body style='margin:0'><iframe style='border:0;width:{width}px;"
+                     f"height:1200px' srcdoc=\"{H.escape(probed, quote=True)}\"></iframe></body></html>",
+                     encoding="utf-8")
+    dom = chromium("--dump-dom", f"--window-size={width + 100},1300", probe.resolve().as_uri(), tmp_path=tmp_path)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    m = re.search(r'<pre id="probe">(.*?)</pre>', dom.stdout, re.S)
+    assert m, dom.stdout[-2000:]
+    r = json.loads(H.unescape(m.group(1)))
+    assert r["viewport"] == width and r["doc"] <= r["viewport"], r
+    assert not r["out"], r["out"][:10]
+    assert r["plots"] and min(r["plots"]) >= 7, r["plots"]  # px of a plot's text line, as drawn
+    assert r["marks"] and all(r["marks"]), r["marks"]
+    shot = tmp_path / "page.png"
+    res = chromium(f"--screenshot={shot}", f"--window-size={width},1600", page.resolve().as_uri(), tmp_path=tmp_path)
+    assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]

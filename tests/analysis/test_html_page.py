@@ -47,8 +47,8 @@ def test_story_pair_page_holds_every_section(tmp_path):
     # one margin plot and one KV grid for the one diverged request, a timeline; all inline SVG
     assert html.count("class='figure margin-plot'") == 1 and html.count("class='figure kv-grid'") == 1
     assert html.count("class='figure timeline-plot'") == 1 and html.count("<svg") == 3
-    assert ">first numeric difference</text>" in html and f">(position {s.numeric_position})</text>" in html
-    assert ">flip</text>" in html and f">(position {s.flip_position})</text>" in html
+    assert f">first numeric difference (position {s.numeric_position})</text>" in html
+    assert f">flip (position {s.flip_position})</text>" in html
     # the first divergent token is marked in both texts
     assert html.count("<mark class=flip") == 2
     # the earliest differing KV cell is the contaminated position
@@ -93,7 +93,7 @@ def test_a_long_run_gives_a_small_page(tmp_path):
     html, _ = page(pa, pb)
     self_contained(html)
     assert len(html.encode()) < 400_000, len(html.encode())
-    assert ">(position 3000)</text>" in html and "generated tokens]" in html
+    assert "(position 3000)</text>" in html and "generated tokens]" in html
 
 
 def test_settings_rows_name_tp_and_keys_added_later():
@@ -176,7 +176,8 @@ def test_root_cause_keys_added_later_are_shown_and_missing_ones_tolerated(tmp_pa
         rep.to_json = extra
         html = render_html(rep, a, b)
     self_contained(html)
-    assert "<th class=kv>first_op_that_differed</th>" in html and "&quot;op&quot;: &quot;k_proj&quot;" in html
+    assert "<th class=kv>first op that differed</th>" in html
+    assert "<th class=kv>op</th><td>k_proj</td>" in html
     assert "root cause: cache contamination" in html
 
 
@@ -192,3 +193,42 @@ def test_a_cause_the_replay_bisection_did_not_find_is_said_on_the_page(tmp_path)
         html, text = render_html(rep, a, b), render_bisect(rep, a.vocab)
         assert f"root cause: {why}" in text and why in html
         assert all(r.get("root_cause_not_found") == why for r in rep.to_json()["requests"] if r["id"] in rep.unexplained)
+
+
+def test_margin_plot_labels_sit_above_the_curves_not_on_them(tmp_path):
+    """The two labels live in a strip of their own above the margin axes, on separate rows
+    (positions 10 and 14 are close: side by side they would overlap), and the legend is below."""
+    from divergence.analysis.html import data as D
+    from divergence.analysis.html.plots import margin_plot
+
+    pa, pb = story.write_pair(tmp_path)
+    s = story.STORY
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        svg = margin_plot(D.margin_series(a, b, "r1", s.flip_position, s.numeric_position), "serial", "concurrent")
+
+    def y_of(label):  # matplotlib writes each text as <text ... x="…" y="…" ...>label</text>
+        m = re.search(r'<text[^>]*\bx="([\d.]+)" y="([\d.]+)"[^>]*>' + re.escape(label) + "</text>", svg)
+        assert m, label
+        return float(m.group(1)), float(m.group(2))
+
+    xn, yn = y_of(f"first numeric difference (position {s.numeric_position})")
+    xf, yf = y_of(f"flip (position {s.flip_position})")
+    assert yn < yf - 8  # two rows, the numeric difference's above the flip's
+    # both above the top of the margin axes (whose y label is centred on them)
+    patch = re.search(r'<g id="axes_2">.*?<path d="([^"]*)"', svg, re.S)  # the margin axes' background
+    top = min(float(y) for y in re.findall(r"[ML] [\d.]+ ([\d.]+)", patch.group(1)))
+    assert yf < top, (yf, top)
+    legend = y_of("max |Δlogit| A vs B")[1]
+    assert legend > y_of("sequence position")[1]  # the legend under the x axis label
+
+
+def test_more_from_the_bisect_report_is_readable():
+    from divergence.analysis.html.page import _more
+
+    out = _more({"kind": "cache_contamination", "model": "target",
+                 "first_op": {"layer": 0, "op": "q_proj", "positions": [9, 10, 11, 12], "max_abs_delta": 0.03125,
+                              "equal_before": ["input_layernorm"], "text": "max |Δ| 0.031"}})
+    assert "\\u0394" not in out and "max |Δ| 0.031" in out
+    assert "{" not in out and "[" not in out  # no raw JSON: nested keys are rows of their own
+    assert "<th class=kv>first op</th>" in out and "<th class=kv>positions</th><td>9-12</td>" in out
+    assert "<th class=kv>equal before</th><td>input_layernorm</td>" in out

@@ -21,7 +21,7 @@ main{max-width:1180px;margin:0 auto;padding:18px 24px 48px}
 h1{font-size:22px;margin:6px 0 2px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d5dae1;padding-bottom:4px}
 h3{font-size:15px;margin:18px 0 6px}
 .sub{color:#5b6776;margin:0 0 12px}.card{background:#fff;border:1px solid #d9dee5;border-radius:6px;padding:12px 16px;margin:10px 0}
-.bad{border-left:4px solid #c0392b}.good{border-left:4px solid #2e8b57}
+.bad{border-left:4px solid #c0392b}.good{border-left:4px solid #2e8b57}.drift{border-left:4px solid #b7791f}
 pre{font:12.5px/1.4 ui-monospace,"DejaVu Sans Mono",monospace;white-space:pre-wrap;margin:6px 0;background:#fbfbfc;
 padding:8px;border-radius:4px;border:1px solid #eceff3}
 table{border-collapse:collapse;font-size:13px}td,th{padding:3px 10px;border-bottom:1px solid #edf0f3;text-align:left;vertical-align:top}
@@ -29,12 +29,17 @@ th{background:#f0f2f5;font-weight:600}tr.differs td{background:#fff6e5}tr.cause 
 .pill{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;color:#fff;margin:1px 2px}
 .pill.faded{opacity:.45}.pill.self{outline:2px solid #1d2733}
 .status{font-weight:600}.status.diverged{color:#c0392b}.status.identical{color:#2e8b57}.status.missing{color:#b7791f}
+.status.logits-differ{color:#9a5b00;background:#fff3d6;border-radius:4px;padding:0 6px}
 .texts{display:grid;grid-template-columns:1fr 1fr;gap:12px}.texts h4{margin:0 0 4px;font-size:13px}
 .text{font:12.5px/1.5 ui-monospace,"DejaVu Sans Mono",monospace;white-space:pre-wrap;word-break:break-word;background:#fbfbfc;
-border:1px solid #eceff3;border-radius:4px;padding:8px;max-height:320px;overflow:auto}
+border:1px solid #eceff3;border-radius:4px;padding:8px}
 .prompt{color:#8a94a3}.after{color:#9b4d2e}mark.flip{background:#c0392b;color:#fff;border-radius:2px;padding:0 1px}
-.figure svg{width:100%;max-width:900px;height:auto}.confirm.yes{color:#2e8b57;font-weight:600}.confirm.no{color:#c0392b;font-weight:600}
+.figure{overflow-x:auto;max-width:100%}.figure svg{width:100%;max-width:900px;min-width:600px;height:auto}
+.scroll{overflow-x:auto;max-width:100%}td,th{overflow-wrap:break-word}#settings-table td{overflow-wrap:anywhere}
+table.more td,table.more th{border:0;padding:1px 8px 1px 0}table.more table.more{margin-left:2px}.confirm.yes{color:#2e8b57;font-weight:600}.confirm.no{color:#c0392b;font-weight:600}
 .kv{font-family:ui-monospace,monospace}.note{color:#5b6776;font-size:13px}
+@media (max-width:700px){main{padding:10px 10px 32px}.texts{grid-template-columns:1fr}.card{padding:10px}
+td,th{padding:3px 5px}table{font-size:12px}pre.root-cause{white-space:pre;overflow-x:auto}}
 """
 
 
@@ -91,7 +96,11 @@ def _summary(j: dict, report, d) -> str:
         if len(g.get("requests", [])) > 1:
             notes.append(f"shared root cause: {', '.join(g['requests'])} trace back to the same "
                          f"{d.label_b} step {g.get('step_b')}")
-    cls = "bad" if bad else "good"
+    drift = [r["id"] for r in reqs if r.get("status") == "identical" and r.get("first_numeric_divergence")]
+    if drift:
+        notes.insert(0, f"{len(drift)} more with identical tokens but other logits ({', '.join(drift)}): "
+                        "--bitwise counts them")
+    cls = "bad" if bad else "drift" if drift else "good"
     return (f"<div class='card {cls}' id=summary><div class=status>{esc(text)}</div>"
             + "".join(f"<div class=note>{esc(n)}</div>" for n in notes) + "</div>")
 
@@ -184,21 +193,43 @@ SHOWN_KEYS = {"kind", "layer", "positions", "op", "step_a", "step_b", "rows_a", 
               "finished_before_divergence", "confirm_detail", "forced"}
 
 
-def _more(rc: dict) -> str:
+def _num(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def _value_html(v, depth: int = 0) -> str:
+    """A bisect-report value, readably: text as text, runs of integers as spans (9-12), mappings
+    as nested key/value tables, anything else as JSON (non-ASCII kept: Δ, not \\u0394)."""
     import json
 
-    rows = []
-    for k, v in rc.items():
-        if k in SHOWN_KEYS or v in (None, {}, [], ""):
-            continue
-        text = v if isinstance(v, str) else json.dumps(v, default=str, separators=(", ", ": "))
-        if len(text) > 600:
-            text = text[:600] + " …"
-        rows.append(f"<tr><th class=kv>{esc(k)}</th><td class=kv>{esc(text)}</td></tr>")
-    if not rows:
+    if isinstance(v, str):
+        return esc(v if len(v) <= 600 else v[:600] + " …")
+    if isinstance(v, bool) or v is None:
+        return esc(v)
+    if isinstance(v, (int, float)):
+        return esc(_num(v))
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        return esc(span_text(list(v), most=12))
+    if isinstance(v, (list, tuple)) and all(isinstance(x, str) for x in v):
+        return esc(", ".join(v))
+    if isinstance(v, dict) and depth < 3:
+        return _kv_table(v, depth + 1)
+    text = json.dumps(v, default=str, ensure_ascii=False, separators=(", ", ": "))
+    return esc(text if len(text) <= 600 else text[:600] + " …")
+
+
+def _kv_table(d: dict, depth: int = 0) -> str:
+    rows = [f"<tr><th class=kv>{esc(str(k).replace('_', ' '))}</th><td>{_value_html(v, depth)}</td></tr>"
+            for k, v in d.items() if v not in (None, {}, [], "")]
+    return "<table class=more>" + "".join(rows) + "</table>"
+
+
+def _more(rc: dict) -> str:
+    rest = {k: v for k, v in rc.items() if k not in SHOWN_KEYS and v not in (None, {}, [], "")}
+    if not rest:
         return ""
-    return ("<details class=more><summary>more from the bisect report</summary><table>" + "".join(rows)
-            + "</table></details>")
+    return ("<details class=more><summary>more from the bisect report</summary>" + _kv_table(rest)
+            + "</details>")
 
 
 def _kernel_table(rc: dict, la: str, lb: str) -> str:
@@ -221,8 +252,9 @@ def _settings(ma: dict, mb: dict, la: str, lb: str) -> str:
     for name, va, vb in D.settings_rows(ma, mb):
         cls = "differs" if va != vb else ""
         rows.append(f"<tr class='{cls}'><th>{esc(name)}</th><td>{esc(va)}</td><td>{esc(vb)}</td></tr>")
-    return (f"<h2 id=settings>Run settings</h2><table><tr><th></th><th>A: {esc(la)}</th><th>B: {esc(lb)}</th></tr>"
-            + "".join(rows) + "</table><p class=note>Highlighted rows differ between the two runs.</p>")
+    return (f"<h2 id=settings>Run settings</h2><div class=scroll><table id=settings-table><tr><th></th>"
+            f"<th>A: {esc(la)}</th><th>B: {esc(lb)}</th></tr>"
+            + "".join(rows) + "</table></div><p class=note>Highlighted rows differ between the two runs.</p>")
 
 
 def _text_html(t: D.Text) -> str:
@@ -249,9 +281,15 @@ def _request(r: dict, a, b, vocab, la: str, lb: str) -> str:
     tok = r.get("first_divergent_token") or {}
     num = r.get("first_numeric_divergence") or {}
     flip = tok.get("generated_index")
-    cls = "bad" if status != "identical" else "good"
-    out = [f"<div class='card {cls}' id='request-{esc(rid)}'><h3>{esc(rid)} "
-           f"<span class='status {esc(status)}'>{esc(status)}</span></h3>"]
+    drift = status == "identical" and bool(num)  # the CLI's "tokens identical; logits differ"
+    cls = "drift" if drift else "bad" if status != "identical" else "good"
+    badge = (f"<span class='status logits-differ'>identical tokens, logits differ</span>" if drift else
+             f"<span class='status {esc(status)}'>{esc(status)}</span>")
+    out = [f"<div class='card {cls}' id='request-{esc(rid)}'><h3>{esc(rid)} {badge}</h3>"]
+    if drift:
+        out.append(f"<div class=note>the tokens are the same, but the logits differ from position "
+                   f"{esc(num.get('position'))} on (max |Δlogit| {esc(_num(num.get('max_abs_delta_before_flip')))}); "
+                   "<code>--bitwise</code> counts this as diverged and finds its cause</div>")
     if tok:
         out.append(f"<div class=note>first divergent token at position {esc(tok.get('position'))} "
                    f"(generated #{esc(flip)}), marked in both texts</div>")
@@ -320,6 +358,6 @@ def _timeline(j: dict, a, b, la: str, lb: str, colors, diverged: list[dict]) -> 
                         f"<td>{_pills(st.slices, colors, focus, self_id)}</td>"
                         f"<td class=kv title='{title}'>{esc(st.kernel_text)}</td></tr>")
         out.append(f"<h3>{esc(label)}: target steps around step {esc(cause) if cause is not None else '-'}</h3>"
-                   f"<table class=steps id=steps-{side}><tr><th>step</th><th>rows</th><th>composition</th><th>kernels</th></tr>"
-                   + "".join(body) + "</table>")
+                   f"<div class=scroll><table class=steps id=steps-{side}><tr><th>step</th><th>rows</th>"
+                   "<th>composition</th><th>kernels</th></tr>" + "".join(body) + "</table></div>")
     return "\n".join(out)

@@ -47,11 +47,14 @@ def to_svg(fig) -> str:
 
 
 def margin_plot(s: MarginSeries, label_a: str, label_b: str) -> str:
+    """Top-1 margins of A and B, and max |Δlogit|, over positions; the first numeric difference and
+    the flip as vertical lines, labelled in a strip above the curves (never on them), the legend below."""
     import matplotlib
+    from matplotlib.lines import Line2D
 
     with matplotlib.rc_context(RC):
-        fig = _figure(7.6, 3.9)
-        top, bot = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+        fig = _figure(7.6, 4.4)
+        strip, top, bot = fig.subplots(3, 1, sharex=True, height_ratios=(0.75, 3, 2))
         dots = {"marker": "o", "ms": 3} if len(s.positions_a) < 24 else {}  # a step line of one point is invisible
         top.step(s.positions_a, s.margin_a, where="mid", color=COLOR_A, lw=1.1, label=f"{label_a} (A)", **dots)
         top.step(s.positions_b, s.margin_b, where="mid", color=COLOR_B, lw=1.1, ls="--", label=f"{label_b} (B)",
@@ -68,16 +71,28 @@ def margin_plot(s: MarginSeries, label_a: str, label_b: str) -> str:
                 ax.axvline(s.first_numeric, color=NUMERIC, lw=1.2, ls=":")
             if s.flip is not None:
                 ax.axvline(s.flip, color=FLIP, lw=1.4)
-        # labels in axes-fraction height, beside their lines: they never sit on the curves' legend
+        # the strip: the numeric difference's label on its upper row, the flip's on the lower one; each
+        # line rises only to its own label, so neither line crosses the other's text
+        strip.set_axis_off()
+        strip.set_ylim(0, 1)
+        xs = [x for x in (s.first_numeric, s.flip) if x is not None] + list(s.positions_a[:1]) + \
+            list(s.positions_a[-1:])
+        lo, hi = (min(xs), max(xs)) if xs else (0, 1)
+
+        def label(x, y, text, color, ls, lw):
+            strip.plot([x, x], [0, y + 0.38], color=color, ls=ls, lw=lw)
+            right = hi > lo and (x - lo) / (hi - lo) > 0.6  # near the right edge: the text to the left
+            strip.annotate(text, (x, y), xytext=(-3 if right else 3, 0), textcoords="offset points",
+                           ha="right" if right else "left", va="bottom", color=color, fontsize=8)
+
         if s.first_numeric is not None:
-            bot.annotate(f"first numeric difference\n(position {s.first_numeric})", (s.first_numeric, 0.95),
-                         xycoords=("data", "axes fraction"), xytext=(3, 0), textcoords="offset points",
-                         color=NUMERIC, va="top", fontsize=8)
+            label(s.first_numeric, 0.55, f"first numeric difference (position {s.first_numeric})", NUMERIC, ":", 1.2)
         if s.flip is not None:
-            bot.annotate(f"flip\n(position {s.flip})", (s.flip, 0.95), xycoords=("data", "axes fraction"),
-                         xytext=(3, 0), textcoords="offset points", color=FLIP, va="top", fontsize=8)
-        top.legend(loc="lower right", bbox_to_anchor=(1, 1), ncols=2, fontsize=8)
-        bot.legend(loc="lower right", bbox_to_anchor=(1, 1), fontsize=8)
+            label(s.flip, 0.05, f"flip (position {s.flip})", FLIP, "-", 1.4)
+        handles = [Line2D([], [], color=COLOR_A, lw=1.1, label=f"{label_a} (A)"),
+                   Line2D([], [], color=COLOR_B, lw=1.1, ls="--", label=f"{label_b} (B)"),
+                   Line2D([], [], color=COLOR_DELTA, lw=1.1, label="max |Δlogit| A vs B")]
+        fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8)
         return to_svg(fig)
 
 
