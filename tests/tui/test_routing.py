@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from divergence.analysis.replay import Replayer, parse_force
-from divergence.core.request import Request
-from divergence.engine.model import load_model
-from divergence.runner import RunConfig, run_schedules
-from divergence.testing.models import make_random_model
-from divergence.trace.reader import Trace
 from divergence.tui.app import BrowseApp
 from divergence.tui.data import BrowseData
 from divergence.tui.screens.tokens import TokenScreen
@@ -22,18 +16,13 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory):
-    """Serial mixtral trace with a near-tied router at layer 0, and its replay with the router on gemm."""
-    d = tmp_path_factory.mktemp("moe")
-    loaded = load_model(make_random_model(d / "m", model_type="mixtral", hidden_size=64, num_layers=2,
-                                          num_experts=8, experts_per_token=2, dtype="float32",
-                                          planted_tie=(0, 1e-6)))
-    reqs = [Request(f"r{i}", tuple(loaded.encode(p)), max_tokens=32)
-            for i, p in enumerate(["Return the number of", "The socket module provides"])]
-    run_schedules(RunConfig(model=loaded.path), loaded, None, reqs, ["serial"], d)
-    with Trace.open(d / "serial.h5") as a:
-        forced = parse_force([f"{int(s)}:gate=gemm:2" for s in a.steps["index"]])
-        Replayer().replay_to_file(a, d / "gate.h5", forced=forced)
-    return d / "serial.h5", d / "gate.h5"
+    """Serial mixtral trace with a router at layer 0 near-tied closely enough to flip on this
+    backend's kernels, and its replay with the router on gemm (divergence.testing.near_tie)."""
+    from divergence.testing.near_tie import planted_router_pair
+
+    return planted_router_pair(tmp_path_factory.mktemp("moe"), 0, ["Return the number of",
+                               "The socket module provides"], hidden_size=64, num_layers=2, num_experts=8,
+                               experts_per_token=2, dtype="float32")
 
 
 def _flips(data):
