@@ -17,6 +17,14 @@ pytest_plugins = ["pytester"]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_report_header(config):
+    """Which kernels this session's fp32 results come from (.ci/blas-cores forces each core)."""
+    from divergence.blas import blas_core, blas_in_use, blas_threads
+
+    core = blas_core()
+    return f"divergence BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads()} threads" if core else "")
+
+
 @pytest.fixture(scope="session")
 def target():
     from divergence.engine.model import load_model

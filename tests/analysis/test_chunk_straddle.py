@@ -22,9 +22,10 @@ from divergence.core.policy import RelayoutStep
 from divergence.core.request import Request
 from divergence.runner import RunConfig, run_schedules
 
-pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
-                                reason="needs OpenBLAS (.ci/run installs it): under the reference BLAS an fp32 "
-                                       "row's bits do not depend on its pass, and the schedules do not differ")
+pytestmark = [pytest.mark.blas,
+              pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
+                                 reason="needs OpenBLAS (.ci/run installs it): under the reference BLAS an fp32 "
+                                        "row's bits do not depend on its pass, and the schedules do not differ")]
 
 
 @pytest.fixture

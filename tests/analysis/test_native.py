@@ -117,6 +117,7 @@ def cpu_native_fp32(tmp_path_factory):
     return out
 
 
+@pytest.mark.blas
 def test_cpu_blas_native_divergence_is_undone_by_solo_replay(cpu_native_fp32):
     from divergence.analysis.diff import diff_traces
     from divergence.analysis.replay import Replayer, fidelity, parse_force

@@ -84,6 +84,7 @@ def qwen3_fp32(tmp_path_factory):
     return out
 
 
+@pytest.mark.blas
 def test_logit_only_drift_gets_a_root_cause_and_a_confirmation_with_bitwise(qwen3_fp32, capsys):
     a, b = qwen3_fp32 / "serial.h5", qwen3_fp32 / "concurrent.h5"
     with Trace.open(a) as ta:

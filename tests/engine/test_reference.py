@@ -65,6 +65,7 @@ def test_rope_variants_match_mlx_lm(random_model, prompts, variant):
     check_against_mlx_lm(loaded, prompts, n=24)
 
 
+@pytest.mark.blas
 def test_fp32_override_matches_mlx_lm(prompts):
     from divergence.engine.model import load_model
     from divergence.fixtures import TARGET

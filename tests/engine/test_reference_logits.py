@@ -20,6 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from divergence.core.request import Request
 from divergence.engine.engine import Engine
 
+pytestmark = pytest.mark.blas  # fp32 bits against mlx-lm's on whatever kernels this BLAS core picks
+
 N = 12
 
 
