@@ -40,7 +40,7 @@ def add_model_args(p, *, draft: bool = True) -> None:
     if draft:
         p.add_argument("--draft", metavar="DIR", help="draft model directory for speculative decoding "
                        "(default with --spec-k: the embedded fixture draft)")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="run the model in this dtype")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="run the model in this dtype (default: the model's own)")
 
 
 def default_model_dirs():

@@ -14,6 +14,45 @@ from ..errors import DivergenceInputError
 SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import")
 
 
+BAD_INPUT = "bad input (one line on stderr, nothing written)"
+# Each command's exit codes, as its --help shows them (tests/cli/test_exit_codes.py checks them).
+EXIT_CODES = {
+    "run": {0: "every schedule gave the same tokens", 1: "the schedules diverged (their traces are written)",
+            2: BAD_INPUT},
+    "diff": {0: "identical", 1: "diverged (with --bitwise: logits included)", 2: BAD_INPUT},
+    "bisect": {0: "identical", 1: "diverged (the report says why)", 2: BAD_INPUT},
+    "report": {0: "identical", 1: "diverged (the page is written either way)", 2: BAD_INPUT},
+    "replay": {0: "faithful, or --force given (a forced replay is meant to differ); with --against: the "
+                  "forced replay matches A where the original diverged",
+               1: "an unforced replay differs from its trace; with --against: a diverged request still "
+                  "differs from A at or before where it diverged",
+               2: BAD_INPUT},
+    "browse": {0: "quit", 2: BAD_INPUT},
+    "sweep": {0: "the sweep ran (it measures: any number of unique completions)", 2: BAD_INPUT},
+    "probe": {0: "the map was measured (or read from the cache)", 2: BAD_INPUT},
+    "import": {0: "the trace was written", 2: BAD_INPUT},
+}
+
+
+def exit_codes_epilog(command: str) -> str:
+    import textwrap
+
+    return "exit codes:\n" + "\n".join(textwrap.fill(v, 78, initial_indent=f"  {k}  ", subsequent_indent="     ")
+                                         for k, v in sorted(EXIT_CODES[command].items()))
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's lines, and shows every option's default where its help doesn't say it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if (action.option_strings and "default" not in text and d not in (None, False, [], argparse.SUPPRESS)
+                and action.nargs != 0):
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one clear line, exit 2 (argparse prints usage too)
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -22,14 +61,20 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from importlib import import_module
 
+    from .. import __version__
+
     parser = _Parser(prog="divergence", description="Find out why an LLM engine's output changes when "
-                     "requests are batched: run, diff, bisect and replay traces.")
+                     "requests are batched: run, diff, bisect and replay traces.",
+                     epilog="exit codes: 0 success, 1 a compared pair diverged, 2 bad input "
+                            "(each command's --help says when)", formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"divergence {__version__}")
     parser.add_argument("--reference-blas", action="store_true",
                         help="keep MLX's bundled reference BLAS (don't load OpenBLAS); same as DIVERGENCE_BLAS=reference")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
         mod = import_module(f".{name}_cmd", __package__)
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
+        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, epilog=exit_codes_epilog(name),
+                           formatter_class=_Formatter)
         mod.add_arguments(p)
         p.set_defaults(_run=mod.main)
     return parser

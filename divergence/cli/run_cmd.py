@@ -115,7 +115,7 @@ def main(args) -> int:
                 for r in requests],
             "diff": {s: d.to_json() for s, d in diffs.items()},
         })
-        return 0
+        return 0 if identical else 1
     for s in schedules:
         r = results[s]
         rates = [o.acceptance_rate for o in r.outputs.values() if o.acceptance_rate is not None]
@@ -131,4 +131,4 @@ def main(args) -> int:
             if x.first_divergent_token else f"{x.id} ({x.status})" for x in d.diverged)
         print(f"{base} vs {s}: diverged: {where}")
         print(f"next: divergence bisect {paths[base]} {paths[s]} --confirm")
-    return 0
+    return 0 if identical else 1  # like diff and bisect: 1 when a compared pair diverged

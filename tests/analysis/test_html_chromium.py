@@ -33,7 +33,7 @@ def demo_page(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
     run_schedules(cfg, target, draft, builtin_requests(target.encode), ["serial", "concurrent"], out)
     a, b, page = out / "serial.h5", out / "concurrent.h5", out / "report.html"
-    assert main(["report", str(a), str(b), "--html", str(page), "--confirm"]) == 0
+    assert main(["report", str(a), str(b), "--html", str(page), "--confirm"]) == 1
     return a, b, page
 
 

@@ -20,7 +20,7 @@ from divergence.cli.main import main
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    assert main(["run", "--out", str(out), "--json"]) == 0
+    assert main(["run", "--out", str(out), "--json"]) == 1  # diverged
     return out
 
 

@@ -27,7 +27,7 @@ def run(args, capsys):
 def test_report_writes_the_page(pair, tmp_path, capsys):
     out = tmp_path / "sub" / "r.html"
     rc, stdout, err = run(["report", *pair, "--html", out], capsys)
-    assert rc == 0 and not err and stdout.startswith(f"html report: {out}")
+    assert rc == 1 and not err and stdout.startswith(f"html report: {out}")
     html = out.read_text()
     assert html.startswith("<!DOCTYPE html>") and "root cause: cache contamination" in html
 
@@ -39,7 +39,7 @@ def test_bisect_html_keeps_stdout_json(pair, tmp_path, capsys):
     assert json.loads(stdout)["requests"][0]["root_cause"]["kind"] == "cache_contamination"
     assert err == [f"html report: {out} ({out.stat().st_size / 1024:.0f} KiB)"]
     rc, stdout, _ = run(["report", *pair, "--html", out, "--json"], capsys)
-    assert rc == 0 and json.loads(stdout)["html"] == str(out)
+    assert rc == 1 and json.loads(stdout)["html"] == str(out)
 
 
 def _foreign(d):
