@@ -103,7 +103,10 @@ def main(argv=None) -> int:
         code = distribute(args, argv)  # --tp: start the ranks here, or run as one of them
         if code is not None:
             return code
-        return int(args._run(args) or 0)
+        from .progress import replay_progress
+
+        with replay_progress():  # on a terminal: 'replaying step 120/433' (replay, bisect --confirm, report)
+            return int(args._run(args) or 0)
     except DivergenceInputError as e:
         print(f"divergence {args.command}: error: {e}", file=sys.stderr)
         return 2

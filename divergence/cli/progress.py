@@ -1,0 +1,67 @@
+"""Progress lines for long commands: on a terminal only (a pipe or a log gets no `\\r` and no
+blank lines), cheap (one short write every few steps)."""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+
+def on_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):  # a closed or replaced stderr
+        return False
+
+
+from ..core.events import Observer
+
+
+class StepLine(Observer):
+    """An engine observer that keeps one `\\r` line: 'replaying step 120/433'."""
+
+    def __init__(self, what: str, total: int, *, every_s: float = 0.1):
+        self.what, self.total, self.every_s = what, total, every_s
+        self.done = 0
+        self._last = 0.0
+        self._shown = False
+
+    def on_step(self, event) -> None:
+        self.done += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._shown = True
+            sys.stderr.write(f"\r{self.what} step {self.done}/{self.total}")
+            sys.stderr.flush()
+
+    def on_run_end(self, completed: bool) -> None:
+        if self._shown:  # leave the line empty for what follows
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+            self._shown = False
+
+
+@contextlib.contextmanager
+def replay_progress(what: str = "replaying"):
+    """While inside, every replay (divergence.analysis.replay.Replayer) shows a StepLine on a
+    terminal; elsewhere nothing changes."""
+    if not on_tty():
+        yield
+        return
+    from ..analysis.replay import Replayer
+
+    original = Replayer.engine_for
+
+    def engine_for(self, trace, *, observers=()):
+        try:
+            total = trace.num_steps
+        except Exception:  # a progress line is never worth a failure
+            total = "?"
+        return original(self, trace, observers=(*observers, StepLine(what, total)))
+
+    Replayer.engine_for = engine_for
+    try:
+        yield
+    finally:
+        Replayer.engine_for = original
