@@ -29,9 +29,36 @@ DEMO = [
 ]
 
 
-def builtin_requests(encode, *, max_tokens: int | None = None) -> list[Request]:
-    return [request_from_dict(dict(d, max_tokens=max_tokens or d["max_tokens"]), encode, f"built-in {d['id']}")
+def builtin_requests(encode, *, max_tokens: int | None = None, sampling: dict | None = None) -> list[Request]:
+    return [request_from_dict({**(sampling or {}), **d, "max_tokens": max_tokens or d["max_tokens"]}, encode,
+                              f"built-in {d['id']}")
             for d in DEMO]
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "seed")
+
+
+def sampling_defaults(*, temperature=None, top_p=None, seed=None) -> dict:
+    """The command line's sampling defaults (--temperature, --top-p, --seed), checked as a prompt
+    line's own keys are: {key: value} of those given, for every line that doesn't set its own."""
+    import math
+
+    out = {}
+    for flag, key, v in (("--temperature", "temperature", temperature), ("--top-p", "top_p", top_p)):
+        if v is None:
+            continue
+        if not math.isfinite(v):
+            raise PromptError(f"{flag} must be a finite number, got {v}")
+        out[key] = float(v)
+    if out.get("temperature", 0.0) < 0:
+        raise PromptError(f"--temperature must be >= 0, got {temperature}")
+    if "top_p" in out and not 0.0 < out["top_p"] <= 1.0:
+        raise PromptError(f"--top-p must be in (0, 1], got {top_p}")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+            raise PromptError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
+        out["seed"] = seed
+    return out
 
 
 MAX_PROMPT_FILE_BYTES = 256 << 20  # a prompt file larger than this is refused, not read into memory
@@ -106,8 +133,9 @@ def read_prompt_file(path) -> str:
         raise PromptError(f"{p}:{line}: not UTF-8 text ({e.reason})") from None
 
 
-def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request]:
-    """Parse a JSONL prompt file; any malformed line is a PromptError naming it (file:line) and the field."""
+def load_prompts(path, encode, *, max_tokens: int | None = None, sampling: dict | None = None) -> list[Request]:
+    """Parse a JSONL prompt file; any malformed line is a PromptError naming it (file:line) and the field.
+    sampling: defaults (sampling_defaults) for the lines that don't set temperature, top_p or seed."""
     p = Path(path)
     text = read_prompt_file(p)
     out, seen = [], set()
@@ -120,6 +148,8 @@ def load_prompts(path, encode, *, max_tokens: int | None = None) -> list[Request
             raise PromptError(f"{where}: each line must be a JSON object")
         if max_tokens is not None and "max_tokens" not in d:
             d["max_tokens"] = max_tokens
+        for k, v in (sampling or {}).items():
+            d.setdefault(k, v)
         d.setdefault("id", f"r{len(out) + 1}")
         req = request_from_dict(d, encode, where)
         if req.id in seen:

@@ -79,6 +79,13 @@ class _Progress(Observer):
         self.progress.stop()
 
 
+def _on_tty() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def validate(engine, requests) -> None:
     """Refuse bad requests (token ids, context length) before anything is written."""
     from .errors import PromptError
@@ -122,7 +129,7 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
             try:
                 with TraceWriter(tmp, top_k=cfg.top_k, kv_hashes=cfg.kv_hashes) as writer:
                     obs = [writer]
-                    if progress:
+                    if progress and _on_tty():  # a pipe or a log gets no bar (no blank lines, no \r)
                         obs.append(_Progress(schedule, sum(r.max_tokens for r in requests)))
                     engine.observers = obs
                     results[schedule] = engine.run(requests, schedule)

@@ -9,8 +9,8 @@ HELP = ("write a trace from another engine's JSON Lines records (docs/recording.
 
 def add_arguments(p) -> None:
     p.add_argument("src", metavar="DIR", help="directory of .jsonl files (or one .jsonl file)")
-    p.add_argument("--out", metavar="T.h5", required=True, help="the trace to write (replaced only when "
-                   "every record is good)")
+    p.add_argument("--out", metavar="T.h5", required=True, help="the trace to write: one file, not a directory "
+                   "as run's --out (replaced only when every record is good)")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
 
 

@@ -22,6 +22,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: per request, or 64)")
     p.add_argument("--token-budget", type=int, default=256, help="rows per engine step (concurrent)")
     p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token")
+    p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature of every request whose "
+                   "prompt line sets none (default: 0, greedy)")
+    p.add_argument("--top-p", type=float, metavar="P", help="nucleus top-p, 0 < P <= 1, of every request whose "
+                   "prompt line sets none (default: 1)")
+    p.add_argument("--seed", type=int, metavar="S", help="sampling seed of every request whose prompt line sets "
+                   "none (default: 0)")
     p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
     p.add_argument("--prefill", choices=("whole", "mlx-lm"), default="whole",
                    help="where the prompt's last token is computed: in the prefill (whole, default) or in the "
@@ -31,7 +37,8 @@ def add_arguments(p) -> None:
                    help="generate max_tokens even past end-of-text (on in the demo, so divergences have room)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shard the models over N ranks "
                    "(started here over 127.0.0.1, or the group mlx.launch started); rank 0 writes the traces")
-    p.add_argument("--out", metavar="DIR", default="traces", help="where traces go (default ./traces)")
+    p.add_argument("--out", metavar="DIR", default="traces", help="a directory: one SCHEDULE.h5 trace per "
+                   "schedule goes there (default ./traces)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 
@@ -59,6 +66,9 @@ def main(args) -> int:
     spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
     if args.top_k < 1:
         raise PromptError("--top-k must be >= 1")
+    from ..prompts import sampling_defaults
+
+    sampling = sampling_defaults(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise PromptError("--max-tokens must be >= 1")
     target_dir, draft_dir = default_model_dirs()
@@ -69,9 +79,9 @@ def main(args) -> int:
                     tp=tp_degree(args))
     target, draft = load_models(cfg)
     if args.prompts:
-        requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens)
+        requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens, sampling=sampling)
     else:
-        requests = builtin_requests(target.encode, max_tokens=args.max_tokens)
+        requests = builtin_requests(target.encode, max_tokens=args.max_tokens, sampling=sampling)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PromptError(f"--out {out} exists and is not a directory")

@@ -5,13 +5,15 @@ import sys
 
 from .common import add_model_args, default_model_dirs, emit_json
 
-HELP = "run one prompt N times inside random batches and count unique completions (the anchors' metric)"
+HELP = ("run one prompt (greedy) N times, each inside a random batch of other prompts, and count how many "
+        "different completions it gets: 1 means batching never changed it (the measure Thinking Machines and "
+        "vLLM report)")
 DEFAULT_PROMPT = "Return the number of"
 
 
 def add_arguments(p) -> None:
     add_model_args(p, draft=False)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the needle prompt (text)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt to repeat (text)")
     p.add_argument("-n", type=int, default=20, help="number of runs (default 20)")
     p.add_argument("--policy", help="kernel policy (default: native with --model, threshold:4 without)")
     p.add_argument("--max-batch", type=int, default=8, help="largest batch (default 8)")
@@ -39,8 +41,12 @@ def main(args) -> int:
     target, _ = load_models(cfg)
     engine = make_engine(cfg)
 
+    from .progress import on_tty
+
+    tty = on_tty() and not args.json  # progress belongs on a terminal: a pipe gets no \r
+
     def progress(i, n):
-        if not args.json:
+        if tty:
             print(f"\rrun {i}/{n}", end="", file=sys.stderr, flush=True)
 
     r = sweep(engine, args.prompt, runs=args.n, max_batch=args.max_batch, max_tokens=args.max_tokens,
@@ -48,7 +54,8 @@ def main(args) -> int:
     if args.json:
         emit_json(r.to_json())
         return 0
-    print("\r", end="", file=sys.stderr)
+    if tty:
+        print("\r\x1b[K", end="", file=sys.stderr, flush=True)
     print(f"{r.runs} runs of {r.prompt!r} under {r.policy}, batches of 1..{args.max_batch}: "
           f"{r.unique} unique completion{'s' if r.unique != 1 else ''}")
     for count, at, tail in zip(r.counts, r.diverge_at, r.tails):
