@@ -135,7 +135,34 @@ def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:
             target = dest / f"{artifact_name(label)}.h5"
             shutil.copyfile(src, target)
             kept[label] = str(target)
+    point_at_copies(exc, {str(traces[k]): v for k, v in kept.items()})
     return list(kept.values()) + (write_pages(getattr(exc, "report", None), kept) if kept else [])
+
+
+def point_at_copies(exc, moved: dict) -> bool:
+    """The failure's text ('To reproduce: ...') names the kept copies, not the temporary traces
+    (copied away and soon deleted). True when it changed the text."""
+    import shlex
+
+    moved = {src: dst for src, dst in moved.items() if src != dst}
+    if not moved:
+        return False
+
+    def sub(text: str) -> str:
+        for src, dst in sorted(moved.items(), key=lambda kv: -len(kv[0])):  # longest first: no partial hits
+            text = text.replace(shlex.quote(src), shlex.quote(dst)).replace(src, dst)
+        return text
+
+    changed = False
+    if isinstance(getattr(exc, "msg", None), str):  # pytest's Failed (a marker's check)
+        new = sub(exc.msg)
+        changed |= new != exc.msg
+        exc.msg = new
+    if exc.args and isinstance(exc.args[0], str):  # ReproducibilityError (an AssertionError)
+        new = sub(exc.args[0])
+        changed |= new != exc.args[0]
+        exc.args = (new, *exc.args[1:])
+    return changed
 
 
 def write_pages(report, paths: dict) -> list[str]:

@@ -128,7 +128,11 @@ def pytest_runtest_makereport(item, call):
     if call.excinfo is not None and report.failed and item.config.stash[SETTINGS].artifacts is not None:
         from .checker import keep_artifacts
 
-        kept = keep_artifacts(item.config.stash[SETTINGS], item.nodeid, call.excinfo.value)
+        exc = call.excinfo.value
+        before = str(exc)
+        kept = keep_artifacts(item.config.stash[SETTINGS], item.nodeid, exc)
+        if str(exc) != before:  # it now names the kept copies: show that text
+            report.longrepr = item.repr_failure(call.excinfo)
         if kept:
             report.sections.append(("divergence artifacts", "\n".join(kept)))
             report.user_properties.append(("divergence_artifacts", " ".join(kept)))
