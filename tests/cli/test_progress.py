@@ -1,0 +1,42 @@
+"""replay / bisect --confirm progress: a `\\r` step line on a terminal, nothing in a pipe (issue 32)."""
+from __future__ import annotations
+
+import io
+import sys
+
+from divergence.analysis.replay import Replayer
+from divergence.cli.progress import StepLine, replay_progress
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_no_terminal_no_progress(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    original = Replayer.engine_for
+    with replay_progress():
+        assert Replayer.engine_for is original
+
+
+def test_on_a_terminal_replays_show_their_step(monkeypatch):
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    seen = []
+    monkeypatch.setattr(Replayer, "engine_for", lambda self, trace, *, observers=(): seen.append(observers))
+    patched_from = Replayer.engine_for
+
+    class T:
+        num_steps = 3
+
+    with replay_progress():
+        assert Replayer.engine_for is not patched_from
+        Replayer().engine_for(T())
+    assert Replayer.engine_for is patched_from  # put back
+    (line,) = [o for o in seen[0] if isinstance(o, StepLine)]
+    line.every_s = 0
+    for _ in range(3):
+        line.on_step(None)
+    line.on_run_end(True)
+    assert "\rreplaying step 3/3" in tty.getvalue() and tty.getvalue().endswith("\r\x1b[K")
