@@ -15,11 +15,9 @@ import platform
 import sys
 from contextlib import contextmanager
 
-ENV = "DIVERGENCE_BLAS"  # "reference" to keep MLX's bundled BLAS; or a path to a libblas
-# OpenBLAS (DYNAMIC_ARCH) picks its kernels for the CPU when it loads, unless this names a
-# core; the core changes fp32 bits (DESIGN.md: small-matrix kernels on SkylakeX / Cooperlake)
-CORE_ENV = "OPENBLAS_CORETYPE"
-REFERENCE_WORDS = ("reference", "off", "0", "none")
+# "reference" to keep MLX's bundled BLAS, or a path to a libblas; OPENBLAS_CORETYPE picks the
+# core, whose kernels change fp32 bits (DESIGN.md: small-matrix kernels on SkylakeX / Cooperlake)
+from .core.host import BLAS_ENV as ENV, CORE_ENV, REFERENCE_WORDS, is_reference  # noqa: F401
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
@@ -106,8 +104,3 @@ def blas_config() -> str | None:
     if lib is None or not hasattr(lib, "openblas_get_config"):
         return None
     return lib.openblas_get_config().decode(errors="replace").strip()
-
-
-def is_reference(blas: str | None) -> bool:
-    """Does a recorded `blas` string (environment()["blas"]) name MLX's bundled reference BLAS?"""
-    return str(blas or "").startswith("reference")

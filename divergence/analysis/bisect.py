@@ -29,6 +29,7 @@ from .sampler import SamplerStory, sampler_story
 CACHE_CONTAMINATION = "cache_contamination"
 STEP_COMPUTE = "step_compute"
 SAMPLER = "sampler"
+ENVIRONMENT = "environment"  # the same step, laid out alike, computed under another BLAS / core / device
 WRITE_OPS = ("k_proj", "v_proj")  # the ops whose output is written to the cache
 
 
@@ -68,6 +69,7 @@ class RootCause:
     model: str = "target"  # the model whose steps a and b are (draft: a sampler cause's q)
     first_op: object = None  # analysis.ops.OpDifference: the first op whose output rows differ (--ops / --confirm)
     first_op_detail: str = ""  # why there is none, when it was asked for
+    env_diff: dict | None = None  # an environment cause: recorded field -> (A's, B's)
 
     @property
     def native_class_changes(self) -> dict[str, tuple[int, int]]:
@@ -92,6 +94,7 @@ class RootCause:
             "first_op": self.first_op.to_json() if self.first_op is not None else None,
             "first_op_detail": self.first_op_detail,
             "sampler": self.sampler.to_json() if self.sampler else None,
+            "env_diff": {k: list(v) for k, v in self.env_diff.items()} if self.env_diff else None,
         }
 
 
@@ -125,6 +128,19 @@ class BisectReport:
             r["confirmed"] = (c.confirmed if c else None) if self.confirm_requested else None
         j["groups"] = [{"kind": k[0], "step_b": k[1], "requests": v} for k, v in self.groups().items()]
         return j
+
+
+def as_environment_cause(a, b, cause: RootCause) -> None:
+    """Two runs of one schedule in different numeric environments: where the lead is the same
+    step, with the same composition in both, what changed its bits is the environment (the
+    BLAS, its core, the device), not the batch. The cause says so, with the fields."""
+    from .environment import environment_differs
+
+    env = environment_differs(a, b)
+    if not env or cause.kind == SAMPLER or a.meta.get("schedule") != b.meta.get("schedule"):
+        return
+    if cause.a.step == cause.b.step and cause.a.composition == cause.b.composition:
+        cause.kind, cause.env_diff = ENVIRONMENT, env
 
 
 def step_kernels(trace, step: int) -> dict[str, str]:
@@ -380,6 +396,8 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     if not hashed:
         mode = (f"replay bisection: the traces have no KV hashes, so steps were bisected by replay "
                 f"({replays} replays)") if replay_bisector is not None else "none: no KV hashes and no replay"
+    for cause in causes.values():
+        as_environment_cause(a, b, cause)
     if confirm and replayer is not None and hashed:
         for rid, cause in causes.items():
             cause.confirmed, cause.confirm_detail = replayer(cause, next(r for r in d.requests if r.id == rid))

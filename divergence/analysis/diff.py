@@ -271,7 +271,7 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
         ta, tb = a.tokens(req.id), b.tokens(req.id)
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
-    return DiffReport(str(a.path), str(b.path), _label(a), _label(b), out, [str(p) for p in incomplete],
+    return DiffReport(str(a.path), str(b.path), *pair_labels(a, b), out, [str(p) for p in incomplete],
                       bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree),
                       environment=environment_differs(a, b))
 
@@ -282,3 +282,10 @@ def _label(trace) -> str:
 
 
 trace_label = _label
+
+
+def pair_labels(a, b) -> tuple[str, str]:
+    """The two traces' names in a report: their schedules, told apart as (A) and (B) where
+    they are one schedule (two machines, two BLAS cores)."""
+    la, lb = _label(a), _label(b)
+    return (f"{la} (A)", f"{lb} (B)") if la == lb else (la, lb)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..core.host import missing_flags
+from ..core.host import BLAS_ENV as ENV, CORE_ENV, is_reference, missing_flags
 
 # What a run's environment says that changes its numbers (versions and platform aside).
 NUMERIC_ENVIRONMENT = ("backend", "device", "device_name", "blas", "blas_core", "blas_threads", "mlx")
@@ -32,19 +32,6 @@ def environment_differs(a, b) -> dict:
     return {k: (ea[k], eb[k]) for k in NUMERIC_ENVIRONMENT if k in ea and k in eb and ea[k] != eb[k]}
 
 
-def this_process() -> dict:
-    """This process's numeric environment, without importing MLX (the BLAS loads, MLX does not)."""
-    from importlib import metadata
-
-    from ..blas import blas_core, blas_in_use, blas_threads
-
-    try:
-        mlx = metadata.version("mlx")
-    except metadata.PackageNotFoundError:  # pragma: no cover
-        mlx = "unknown"
-    return {"blas": blas_in_use(), "blas_core": blas_core(), "blas_threads": blas_threads(), "mlx": mlx}
-
-
 @dataclass
 class Reproduction:
     """How to run under a recorded environment here: `env` for a child process ({} when this
@@ -57,7 +44,7 @@ class Reproduction:
 
     def describe(self) -> str:
         """'OPENBLAS_CORETYPE=SkylakeX' (what a child process is started with)."""
-        return " ".join(f"{k}={v}" for k, v in sorted(self.env.items()))
+        return " ".join(f"{k}={v}" for k, v in sorted(self.env.items(), key=lambda kv: kv[0] != CORE_ENV))
 
     @property
     def possible(self) -> bool:
@@ -68,12 +55,10 @@ class Reproduction:
         return bool(self.env)
 
 
-def reproduction(want: dict, here: dict | None = None) -> Reproduction:
-    """What a process needs to compute under environment `want` (a trace's recorded one).
+def reproduction(want: dict, here: dict) -> Reproduction:
+    """What a process whose environment is `here` (analysis.replay.this_process(); {} for a
+    child told everything) needs to compute under `want` (a trace's recorded environment).
     Fields `want` does not record (traces of older versions, other engines) are not asked."""
-    from ..blas import CORE_ENV, ENV, is_reference
-
-    here = this_process() if here is None else here
     out = Reproduction()
     if "blas" in want and want["blas"] != here.get("blas"):
         out.fields.append("blas")
@@ -118,23 +103,6 @@ def child_environment(rep: Reproduction) -> dict:
     env.update(rep.env)
     env[REEXEC_ENV] = "1"
     return env
-
-
-def check_this_process(trace) -> None:
-    """Refuse to replay `trace` in this process when it was recorded under another BLAS
-    environment: its bits would differ for that reason alone (a false mismatch).
-    EnvironmentMismatchError, one line, saying what to do."""
-    from ..errors import EnvironmentMismatchError
-
-    rep = reproduction(recorded(trace))
-    if rep.missing:
-        raise EnvironmentMismatchError(f"{trace.path} cannot be replayed on this machine: {rep.missing[0]}")
-    if rep.needs_child:
-        want = recorded(trace)
-        raise EnvironmentMismatchError(
-            f"{trace.path} was recorded under {describe_blas(want)}; this process runs "
-            f"{describe_blas(this_process())}: replay it in a process started with {rep.describe()} "
-            f"(the divergence CLI does so itself)")
 
 
 def describe_blas(env: dict) -> str:

@@ -20,7 +20,7 @@ from ..blas import using_blas_threads
 from ..core.names import BATCH_GENERATOR, LOGPROBS, REPLAYABLE_ENGINES
 from ..errors import PolicyError, ReplayError
 from .diff import DiffReport, diff_traces
-from .environment import check_this_process
+from .environment import describe_blas, recorded, reproduction
 
 
 @dataclass
@@ -45,6 +45,38 @@ class ReplayReport:
                 "kv_equal": self.kv_equal, "first_difference": self.first_difference,
                 "kv_first_difference": self.kv_first_difference, "seconds": self.seconds,
                 "original_seconds": self.original_seconds, "draws_equal": self.draws_equal}
+
+
+def this_process() -> dict:
+    """This process's numeric environment, without importing MLX (the BLAS loads, MLX does not)."""
+    from importlib import metadata
+
+    from ..blas import blas_core, blas_in_use, blas_threads
+
+    try:
+        mlx = metadata.version("mlx")
+    except metadata.PackageNotFoundError:  # pragma: no cover
+        mlx = "unknown"
+    return {"blas": blas_in_use(), "blas_core": blas_core(), "blas_threads": blas_threads(), "mlx": mlx}
+
+
+def check_this_process(trace, want: dict | None = None) -> None:
+    """Refuse to replay `trace` in this process when it is to run under another BLAS
+    environment (`want`, default its recorded one): its bits would differ for that reason
+    alone (a false mismatch). EnvironmentMismatchError, one line, saying what to do."""
+    from ..errors import EnvironmentMismatchError
+
+    want = recorded(trace) if want is None else want
+    rep = reproduction(want, this_process())
+    if rep.missing:
+        raise EnvironmentMismatchError(f"{trace.path} cannot be replayed on this machine: {rep.missing[0]}")
+    if rep.needs_child:
+        raise EnvironmentMismatchError(
+            f"{trace.path} was recorded under {describe_blas(want)}; this process runs "
+            f"{describe_blas(this_process())}: replay it in a process started with {rep.describe()} "
+            f"(the divergence CLI does so itself)")
+
+
 
 
 def parse_force(items) -> dict:
@@ -174,13 +206,15 @@ class Replayer:
                                     model_dir=self.model_dir, draft_dir=self.draft_dir, observers=observers,
                                     tp=group_for(trace))
 
-    def run(self, trace, *, forced=None, observers=(), tap=None, stop_after: int | None = None):
+    def run(self, trace, *, forced=None, observers=(), tap=None, stop_after: int | None = None,
+            under: dict | None = None):
         """Replay in memory; returns the engine's RunResult. tap: an engine.replay.OpTap that
-        records one step's op outputs for one request; stop_after: end after that step."""
+        records one step's op outputs for one request; stop_after: end after that step.
+        under: the environment to run under (another trace's recorded one; default: its own)."""
         from ..engine.replay import TokenSite, recorded_draws, replay_plans
 
         check_forced(trace, forced or {})
-        check_this_process(trace)  # another BLAS core would make every fp32 bit differ for that alone
+        check_this_process(trace, under)  # another BLAS core would make every fp32 bit differ for that alone
         engine = self.engine_for(trace, observers=observers)
         sites = []
         for req in trace.requests:
@@ -189,18 +223,28 @@ class Replayer:
         plans = list(trace.iter_plans())
         forced = with_recorded_attention(trace, plans, forced or {})
         # under the recording's BLAS thread count: it is part of the fp32 numerics (blas.py)
-        with using_blas_threads((trace.meta.get("environment") or {}).get("blas_threads")):
+        env = under if under is not None else (trace.meta.get("environment") or {})
+        with using_blas_threads(env.get("blas_threads")):
             return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
                                 forced=forced, draws=recorded_draws(trace), tap=tap, stop_after=stop_after)
 
-    def replay_to_file(self, trace, out, *, forced=None) -> ReplayReport:
+    def tap(self, trace, step: int, rid: str, *, under: dict | None = None):
+        """One step's op output rows for one request (analysis.ops.OpRows), by a replay up to it."""
+        from ..engine.replay import OpTap
+        from .ops import OpRows
+
+        tap = OpTap(step, rid)
+        self.run(trace, tap=tap, stop_after=step, under=under)
+        return OpRows(step, dict(tap.rows), tap.outputs, tap.order)
+
+    def replay_to_file(self, trace, out, *, forced=None, under: dict | None = None) -> ReplayReport:
         from ..trace.reader import Trace
         from ..trace.writer import TraceWriter
 
         s = trace.meta["settings"]
         has_kv = trace.has_kv_hashes
         with TraceWriter(out, top_k=s["top_k"], kv_hashes=has_kv) as writer:
-            result = self.run(trace, forced=forced, observers=[writer])
+            result = self.run(trace, forced=forced, observers=[writer], under=under)
         with Trace.open(out) as replayed:
             return fidelity(trace, replayed, forced or {}, result.seconds, str(out))
 
@@ -301,10 +345,16 @@ def _kv_cells(trace) -> np.ndarray:
     return cells[np.lexsort(cells[:, ::-1].T)]
 
 
-def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> ReplayReport:
-    """`divergence replay`: re-execute a trace, write the new trace, report fidelity."""
+def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None, environment_of=None) -> ReplayReport:
+    """`divergence replay`: re-execute a trace, write the new trace, report fidelity.
+    environment_of: another trace, whose recorded BLAS environment the replay runs under."""
     from ..trace.reader import Trace
+    from .environment import recorded
 
+    under = None
+    if environment_of is not None:
+        with Trace.open(environment_of) as other:
+            under = recorded(other)
     forced = parse_force(force)
     with Trace.open(path) as trace:
         check_forced(trace, forced)
@@ -315,7 +365,8 @@ def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None) -> Repla
         if out is None:
             tmp = tempfile.mkdtemp(prefix="divergence-replay-")
             out = Path(tmp) / (Path(path).stem + ".replay.h5")
-        return Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced)
+        return Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced,
+                                                                                 under=under)
 
 
 def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):
@@ -325,17 +376,17 @@ def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
     every op's output rows of that step recorded for the request whose K/V the cause
     names (a prefix-cache hit's owner where the request itself was not in the step), and
     compares them position by position: the first op whose bits differ."""
-    from ..engine.replay import OpTap
-    from .ops import OpRows, first_op_difference
+    from .ops import first_op_difference
 
     seen: dict = {}
 
     def record(trace, step: int, rid: str) -> OpRows:
         key = (id(trace), step, rid)
         if key not in seen:
-            tap = OpTap(step, rid)
-            replayer.run(trace, tap=tap, stop_after=step)
-            seen[key] = OpRows(step, dict(tap.rows), tap.outputs, tap.order)
+            if reproduction(recorded(trace), this_process()).needs_child:  # recorded under another BLAS core
+                seen[key] = tap_in_child(trace, step, rid, replayer)
+            else:
+                seen[key] = replayer.tap(trace, step, rid)
         return seen[key]
 
     def find(cause, rd):
@@ -352,3 +403,13 @@ def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
 
     return find
 
+
+
+def tap_in_child(trace, step: int, rid: str, replayer: Replayer):
+    """Replayer.tap in a `divergence replay` child process under the trace's own recorded
+    environment (its OpenBLAS core, which this process cannot switch to)."""
+    from .environment_confirm import load_tap, replay_in_child
+
+    with tempfile.TemporaryDirectory(prefix="divergence-tap-") as work:
+        return load_tap(replay_in_child(trace.path, tap=(step, rid), model_dir=replayer.model_dir,
+                                        draft_dir=replayer.draft_dir, workdir=work))

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from ..core.labels import composition_text, span_text
-from .bisect import CACHE_CONTAMINATION, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
+from .bisect import CACHE_CONTAMINATION, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 
-KIND_TEXT = {CACHE_CONTAMINATION: "cache contamination", STEP_COMPUTE: "step compute", SAMPLER: "sampler"}
+KIND_TEXT = {CACHE_CONTAMINATION: "cache contamination", STEP_COMPUTE: "step compute", SAMPLER: "sampler",
+             ENVIRONMENT: "environment"}
 
 
 def _piece(vocab, token) -> str:
@@ -127,6 +128,12 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
         out.append(f"    root cause: {kind}, {layer}{word} {span_text(c.positions)}:")
         out.append(f"      written in {label_b} step {c.b.step}: {step_text(c.b)}{_kernel(c.b, _op(c))}")
         out.append(f"      the same {word} in {label_a} step {c.a.step}: {_rows(c.a.rows)}{_kernel(c.a)}")
+    elif c.kind == ENVIRONMENT:
+        what = ", ".join(f"{k} {va} vs {vb}" for k, (va, vb) in c.env_diff.items())
+        where = (f"layer {c.layer}, {'position' if len(c.positions) == 1 else 'positions'} "
+                 f"{span_text(c.positions)}" if c.layer is not None else "the step's logits")
+        out.append(f"    root cause: {kind}: the same step, with the same rows, computed other bits ({what})")
+        out.append(f"      first differing write: {where}, step {c.b.step} in both: {step_text(c.b)}")
     elif c.kind == STEP_COMPUTE:
         if c.layer is not None:  # a write of this very step differs: it diverged inside the step
             out.append(f"    root cause: {kind}: the cache written before this step was identical; inside the step "

@@ -4,8 +4,8 @@ OpenBLAS picks its core (and divergence its BLAS library) when the library loads
 MLX, so one process cannot switch them. A command that replays traces recorded under
 another core (`replay`, `bisect --confirm`/`--ops`, `report --confirm`) is run again in a
 child process started with that core; where this CPU cannot run it, one line and exit 2.
-A pair recorded in two environments is left to the analysis (it replays each side under
-its own environment, and confirms an environment cause by replaying B under A's).
+A pair recorded in two environments runs under B's (its forced replays need it); the
+analysis replays A's side, and B under A's environment, in children of their own.
 """
 from __future__ import annotations
 
@@ -30,13 +30,16 @@ def run_under_recorded_environment(args, argv) -> int | None:
     """The child's exit code when the command had to run in a child process; None when this
     process already runs under the traces' environment (or the command replays nothing)."""
     from ..analysis.environment import REEXEC_ENV, child_environment, recorded, reproduction
+    from ..analysis.replay import this_process
 
     paths = replayed_traces(args)
     if not paths or os.environ.get(REEXEC_ENV):
         return None
-    from ..analysis.environment import BLAS_FIELDS
+    from ..analysis.environment import BLAS_FIELDS  # noqa: E402
     from ..trace.reader import Trace
 
+    if args.command == "replay" and getattr(args, "environment_of", None):
+        paths = [args.environment_of]  # the environment asked for, not the trace's own
     envs = []
     for p in paths:
         try:
@@ -44,11 +47,15 @@ def run_under_recorded_environment(args, argv) -> int | None:
                 envs.append(recorded(t))
         except Exception:  # the command itself reports a trace it cannot open, in its own words
             return None
-    if any({k: e.get(k) for k in BLAS_FIELDS} != {k: envs[0].get(k) for k in BLAS_FIELDS} for e in envs[1:]):
-        return None  # an environment pair: each side is replayed under its own (analysis/environment.py)
-    rep = reproduction(envs[0])
+    # B's environment, the one its forced replays need; in an environment pair A's side runs
+    # in children under A's (analysis/environment_confirm.py)
+    want = envs[-1]
+    rep = reproduction(want, this_process())
     if rep.missing:
-        raise EnvironmentMismatchError(f"{paths[0]} cannot be replayed on this machine: {rep.missing[0]} "
+        pair = any({k: e.get(k) for k in BLAS_FIELDS} != {k: want.get(k) for k in BLAS_FIELDS} for e in envs)
+        if pair:
+            return None  # the pipeline says, per cause, what this machine could not reproduce
+        raise EnvironmentMismatchError(f"{paths[-1]} cannot be replayed on this machine: {rep.missing[0]} "
                                        f"(a replay here would differ for that reason alone)")
     if not rep.needs_child:
         return None

@@ -1,6 +1,8 @@
 """`divergence replay TRACE.h5`: re-execute the recorded schedule exactly and report fidelity."""
 from __future__ import annotations
 
+import argparse
+
 from .common import emit_json
 
 HELP = "re-execute a trace's exact schedule (optionally forcing kernels at steps) and report fidelity"
@@ -16,6 +18,12 @@ def add_arguments(p) -> None:
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
     p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.add_argument("--environment-of", metavar="OTHER.h5",
+                   help="replay under the BLAS environment (library, OpenBLAS core, threads) OTHER.h5 was recorded "
+                        "in, not TRACE.h5's own: TRACE's run as if made where OTHER's was (an environment cause's proof)")
+    # for a parent process that needs one step's op rows under this trace's environment
+    p.add_argument("--tap", metavar="STEP:REQUEST", help=argparse.SUPPRESS)
+    p.add_argument("--tap-out", metavar="FILE", help=argparse.SUPPRESS)
 
 
 def _force_help() -> str:
@@ -45,7 +53,10 @@ def main(args) -> int:
         a, b = open_pair(args.against, args.trace)
         with a, b:
             check_comparable(a, b)
-    r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft)
+    if args.tap:
+        return _tap(args)
+    r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft,
+               environment_of=args.environment_of)
     changed, against = _compare(args, r)
     code = 0 if (r.faithful or r.forced) else 1
     if against is not None and not against["proved"]:
@@ -143,3 +154,20 @@ def _compare(args, r):
                "some request diverges from A where it did, or earlier")
     return changed, {"trace": str(args.against), "label": label_a, "proved": proved, "summary": summary,
                      "requests": rows}
+
+
+def _tap(args) -> int:
+    """--tap STEP:REQUEST --tap-out FILE: one step's op output rows for one request, recorded
+    by a replay up to that step (analysis.environment_confirm reads them)."""
+    from ..analysis.environment_confirm import save_tap
+    from ..analysis.replay import Replayer
+    from ..errors import DivergenceInputError
+    from ..trace.reader import Trace
+
+    step, _, rid = args.tap.partition(":")
+    if not step.isdigit() or not rid or not args.tap_out:
+        raise DivergenceInputError("--tap STEP:REQUEST needs --tap-out FILE")
+    with Trace.open(args.trace) as t:
+        rows = Replayer(model_dir=args.model, draft_dir=args.draft).tap(t, int(step), rid)
+    save_tap(rows, args.tap_out)
+    return 0

@@ -7,6 +7,18 @@ import os
 # split off; the tensor-parallel launcher gives each rank its share of the cores.
 CPU_SPLIT_ENV = "DIVERGENCE_CPU_SPLIT"
 
+# Which BLAS the engine loads before MLX (divergence/blas.py): "reference" keeps MLX's bundled
+# one, a path names a libblas; and which core OpenBLAS (DYNAMIC_ARCH) runs, else its pick for
+# this CPU. Both are read when the library loads: a process cannot switch them later.
+BLAS_ENV = "DIVERGENCE_BLAS"
+CORE_ENV = "OPENBLAS_CORETYPE"
+REFERENCE_WORDS = ("reference", "off", "0", "none")
+
+
+def is_reference(blas: str | None) -> bool:
+    """Does a recorded `blas` string (environment()["blas"]) name MLX's bundled reference BLAS?"""
+    return str(blas or "").startswith("reference")
+
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""

@@ -1,0 +1,112 @@
+"""Proving an environment cause: B's run, replayed under A's environment, is A's.
+
+Two traces of one schedule made under different BLAS libraries or OpenBLAS cores differ
+for that reason alone. A process cannot switch its BLAS core, so each replay runs in a
+`divergence replay` child process started with the environment it needs
+(analysis/environment.py): B replayed under A's environment for the confirmation, and each
+trace's root-cause step tapped op by op under its own environment for the first op.
+"""
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ReplayError
+from .environment import child_environment, recorded, reproduction
+
+
+def replay_in_child(trace_path, *, under=None, out=None, tap: tuple | None = None, model_dir=None,
+                    draft_dir=None, workdir) -> Path:
+    """Run `divergence replay` on trace_path in a child process under the recorded environment of
+    `under` (a trace; default: the trace's own). Writes the replayed trace (tap None) or the
+    tapped step's op rows (tap = (step, request)) under workdir; returns that path."""
+    cmd = [sys.executable, "-m", "divergence", "replay", str(trace_path), "--json"]
+    if under is not None:
+        cmd += ["--environment-of", str(under)]
+    if model_dir:
+        cmd += ["--model", str(model_dir)]
+    if draft_dir:
+        cmd += ["--draft", str(draft_dir)]
+    if tap is not None:
+        out = Path(workdir) / f"tap-{Path(trace_path).stem}-{tap[0]}-{tap[1]}.pkl"
+        cmd += ["--tap", f"{tap[0]}:{tap[1]}", "--tap-out", str(out)]
+    else:
+        out = Path(out or Path(workdir) / f"{Path(trace_path).stem}.under.h5")
+        cmd += ["--out", str(out)]
+    from ..trace.reader import Trace
+
+    with Trace.open(under if under is not None else trace_path) as t:
+        rep = reproduction(recorded(t), {})  # a child told every field, whatever this process runs
+    if rep.missing:
+        raise ReplayError(f"this machine cannot reproduce the environment of {under or trace_path}: {rep.missing[0]}")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=child_environment(rep))
+    # a replay under another environment is meant to differ from its trace: 1 (not faithful) is fine
+    if done.returncode not in (0, 1) or not out.exists():
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise ReplayError(f"the replay of {trace_path} in a child process failed: {why}")
+    return out
+
+
+def load_tap(path):
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def save_tap(rows, path) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(rows, f)
+
+
+def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a: str = "A", label_b: str = "B"):
+    """confirm(cause, request_diff) -> (bool | None, detail) for an `environment` cause: B's run
+    replayed (unforced: its own plans, tokens and draws) under A's recorded environment must give
+    A's tokens and top-k logits for the request, bit for bit, up to the divergence."""
+    from ..trace.reader import Trace
+
+    state: dict = {}
+    work = tempfile.TemporaryDirectory(prefix="divergence-env-")
+
+    def replayed():
+        if "trace" not in state:
+            state["trace"] = None
+            rep = reproduction(recorded(a), {})
+            if rep.missing:
+                state["why"] = f"this machine cannot reproduce {label_a}'s environment: {rep.missing[0]}"
+                return None
+            try:
+                path = replay_in_child(b.path, under=a.path, model_dir=model_dir, draft_dir=draft_dir,
+                                       workdir=work.name)
+            except ReplayError as e:
+                state["why"] = str(e)
+                return None
+            state["trace"] = Trace.open(path)
+            state["how"] = rep.describe() or "this process's"
+        return state["trace"]
+
+    def confirm(cause, rd):
+        got = replayed()
+        if got is None:
+            return None, state["why"]
+        tok = rd.first_divergent_token
+        n = tok.generated_index + 1 if tok is not None else rd.compared
+        ta, tg = a.tokens(rd.id), got.tokens(rd.id)
+        same = [int(t) for t in ta.tokens[:n]] == [int(t) for t in tg.tokens[:n]]
+        la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+        lg = np.asarray(tg.topk_logits[:n], np.float32).view(np.uint32)
+        bitwise = same and la.shape == lg.shape and bool((la == lg).all())
+        fields = ", ".join(cause.env_diff) if cause.env_diff else "environment"
+        upto = f"up to position {tok.position}, where it diverged" if tok is not None else \
+            f"over its {n} compared tokens"
+        if bitwise:
+            return True, (f"replaying {label_b} under {label_a}'s environment ({state['how']}: {fields} as "
+                          f"{label_a} recorded them) gives {rd.id} {label_a}'s tokens and logits bit for bit {upto}")
+        return False, (f"replaying {label_b} under {label_a}'s environment ({state['how']}) still differs from "
+                       f"{label_a} for {rd.id} {upto}: the recorded fields do not explain it")
+
+    confirm.close = lambda: (state.get("trace") and state["trace"].close(), work.cleanup())
+    return confirm
