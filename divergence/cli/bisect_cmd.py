@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import DivergenceInputError
 from .common import emit_json, open_pair
 
 HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
@@ -51,51 +50,6 @@ def main(args) -> int:
 
 def build_report(args, a, b):
     """The BisectReport of two open traces, as the options ask (report_cmd uses it too)."""
-    from ..analysis.bisect import bisect_traces
+    from ..analysis.pipeline import AnalysisOptions, analyze_pair
 
-    replayer = bisector = None
-    from ..analysis.diff import trace_label
-
-    labels = (trace_label(a), trace_label(b))
-    confirm_cmd = getattr(args, "confirm_cmd", None)
-    if confirm_cmd:  # the user's engine confirms (traces of other engines)
-        from ..analysis.confirm_cmd import make_command_confirmer
-
-        if args.confirm:
-            raise DivergenceInputError("--confirm replays with divergence's engine, --confirm-cmd with yours: "
-                                       "give one")
-        replayer = make_command_confirmer(a, b, confirm_cmd, *labels)
-    asked = getattr(args, "ops", None)
-    ops = bool(args.confirm) if asked is None else asked
-    if confirm_cmd or _foreign(a, b) or max(a.tp_degree, b.tp_degree) > 1:
-        if asked:  # nothing of ours to replay op by op (another engine's traces, sharded runs)
-            why = ("they are another engine's" if confirm_cmd or _foreign(a, b) else
-                   f"a TP={max(a.tp_degree, b.tp_degree)} run is sharded")
-            print(f"note: --ops replays one device op by op with divergence's engine, and {why}: the first op "
-                  f"that differed is not looked for", file=sys.stderr)
-        ops = False
-    op_finder = None
-    if confirm_cmd:
-        pass
-    elif args.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not _foreign(a, b):
-        from ..analysis.replay import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
-
-        if args.confirm or ops:
-            check_replayable(a)
-            check_replayable(b)
-        engine_replayer = Replayer(model_dir=args.model, draft_dir=args.draft)
-        replayer = make_confirmer(a, b, engine_replayer, *labels)
-        if a.tp_degree != b.tp_degree:  # TP=1 vs TP=N: proven by replaying the TP side unsharded
-            from ..analysis.tp import make_tp_confirmer
-
-            replayer = make_tp_confirmer(a, b, engine_replayer, *labels)
-        bisector = make_replay_bisector(a, b, engine_replayer, *labels)
-        if ops:
-            op_finder = make_op_finder(a, b, engine_replayer, *labels)
-    return bisect_traces(a, b, confirm=args.confirm or bool(confirm_cmd), replayer=replayer,
-                         replay_bisector=bisector, bitwise=args.bitwise, op_finder=op_finder)
-
-
-def _foreign(a, b) -> bool:
-    """Recorded by another engine: replay can't bisect them (without KV hashes, no lead)."""
-    return any(t.meta.get("settings", {}).get("engine") for t in (a, b))
+    return analyze_pair(a, b, AnalysisOptions.from_args(args))

@@ -253,17 +253,14 @@ class _EngineSubject:
 
 
 def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None, bitwise: bool = False) -> Comparison:
-    from ..analysis.bisect import bisect_traces
+    # the same analysis as `divergence bisect` (analysis.pipeline), replays memoised
+    from ..analysis.diff import pair_labels
+    from ..analysis.pipeline import AnalysisOptions, analyze_pair
 
-    label_a, label_b = str(a.meta.get("schedule", "A")), str(b.meta.get("schedule", "B"))
-    if label_a == label_b:  # e.g. two serial runs, from two machines
-        label_a, label_b = f"{label_a} (A)", f"{label_b} (B)"
-    confirmer = None
-    if confirm:
-        from ..analysis.replay import make_confirmer
-
-        confirmer = make_confirmer(a, b, _memo_replayer(model_dir, draft_dir), label_a, label_b)
-    report = bisect_traces(a, b, confirm=confirm, replayer=confirmer, bitwise=bitwise)
+    label_a, label_b = pair_labels(a, b)
+    opts = AnalysisOptions(confirm=confirm, bitwise=bitwise, model_dir=model_dir, draft_dir=draft_dir,
+                           make_replayer=_memo_replayer, labels=(label_a, label_b))
+    report = analyze_pair(a, b, opts)
     return Comparison(str(a.path), str(b.path), report, a.vocab, label_a, label_b)
 
 
@@ -277,9 +274,9 @@ def _memo_replayer(model_dir, draft_dir):
             super().__init__(**kw)
             self._runs: dict = {}
 
-        def run(self, trace, *, forced=None, observers=()):
-            if observers:
-                return super().run(trace, forced=forced, observers=observers)
+        def run(self, trace, *, forced=None, observers=(), **kw):
+            if observers or kw:  # a recording replay, a tap, another environment: not memoised
+                return super().run(trace, forced=forced, observers=observers, **kw)
             key = (id(trace), tuple(sorted((int(k), str(v)) for k, v in (forced or {}).items())))
             if key not in self._runs:
                 self._runs[key] = super().run(trace, forced=forced)

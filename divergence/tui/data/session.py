@@ -6,7 +6,8 @@ from functools import cached_property
 
 import numpy as np
 
-from ...analysis.bisect import BisectReport, RootCause, bisect_traces
+from ...analysis.bisect import BisectReport, RootCause
+from ...analysis.pipeline import AnalysisOptions, analyze_pair
 from ...analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ...analysis.report import KIND_TEXT, request_lines
 from ...trace.reader import Trace
@@ -109,7 +110,8 @@ class BrowseData:
                 return
             a, b = self.traces
             try:
-                self.bisect = bisect_traces(a, b)
+                # the leads every front end gets (analysis.pipeline), without replays: browse runs no model
+                self.bisect = analyze_pair(a, b, AnalysisOptions(replay=False))
                 self.diff = self.bisect.diff
             except Exception as e:  # a damaged trace: show what we can, say why
                 self.analysis_error = f"{type(e).__name__}: {e}"
