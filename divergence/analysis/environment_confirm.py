@@ -85,10 +85,15 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
                 state["why"] = str(e)
                 return None
             state["trace"] = Trace.open(path)
-            state["how"] = rep.describe() or "this process's"
+            want = recorded(a)
+            state["how"] = ", ".join(f"{k} {want[k]}" for k in (cause_fields or ("blas_core",)) if k in want)
         return state["trace"]
 
+    cause_fields: list = []
+
     def confirm(cause, rd):
+        if not cause_fields and cause.env_diff:
+            cause_fields.extend(cause.env_diff)
         got = replayed()
         if got is None:
             return None, state["why"]
@@ -99,12 +104,11 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
         la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
         lg = np.asarray(tg.topk_logits[:n], np.float32).view(np.uint32)
         bitwise = same and la.shape == lg.shape and bool((la == lg).all())
-        fields = ", ".join(cause.env_diff) if cause.env_diff else "environment"
         upto = f"up to position {tok.position}, where it diverged" if tok is not None else \
             f"over its {n} compared tokens"
         if bitwise:
-            return True, (f"replaying {label_b} under {label_a}'s environment ({state['how']}: {fields} as "
-                          f"{label_a} recorded them) gives {rd.id} {label_a}'s tokens and logits bit for bit {upto}")
+            return True, (f"replaying {label_b} under {label_a}'s recorded environment ({state['how']}) gives "
+                          f"{rd.id} {label_a}'s tokens and logits bit for bit {upto}")
         return False, (f"replaying {label_b} under {label_a}'s environment ({state['how']}) still differs from "
                        f"{label_a} for {rd.id} {upto}: the recorded fields do not explain it")
 

@@ -95,8 +95,11 @@ def main(argv=None) -> int:
     try:
         from .tp_cli import distribute
 
-        from .reexec import run_under_recorded_environment
+        from .reexec import run_under_recorded_environment, run_under_requested_core
 
+        code = run_under_requested_core(args, argv)  # run --blas-core
+        if code is not None:
+            return code
         code = run_under_recorded_environment(args, argv)  # traces of another OpenBLAS core
         if code is not None:
             return code

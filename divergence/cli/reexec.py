@@ -63,3 +63,31 @@ def run_under_recorded_environment(args, argv) -> int | None:
           file=sys.stderr)
     sys.stderr.flush()
     return subprocess.call([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
+
+
+def run_under_requested_core(args, argv) -> int | None:
+    """`run --blas-core CORE`: OpenBLAS takes its core when it loads. Before that, setting
+    OPENBLAS_CORETYPE is enough; after (a caller in the same process loaded it), the run goes
+    to a child process. The child's exit code, or None to run here."""
+    core = getattr(args, "blas_core", None)
+    if args.command != "run" or not core:
+        return None
+    from ..core.host import CORE_ENV, CORE_FLAGS, missing_flags
+
+    lacks = missing_flags(core)
+    if lacks is None:
+        raise EnvironmentMismatchError(f"--blas-core {core}: not an OpenBLAS core this tool knows "
+                                       f"({', '.join(CORE_FLAGS)})")
+    if lacks:
+        raise EnvironmentMismatchError(f"--blas-core {core}: this CPU cannot run OpenBLAS's {core} kernels "
+                                       f"(it lacks {', '.join(sorted(lacks))})")
+    if "divergence.blas" not in sys.modules:
+        os.environ[CORE_ENV] = core  # read when the library loads, just below
+        return None
+    from ..analysis.environment import REEXEC_ENV
+    from ..blas import blas_core
+
+    if (blas_core() or "").lower() == core.lower() or os.environ.get(REEXEC_ENV):
+        return None
+    env = dict(os.environ, **{CORE_ENV: core, REEXEC_ENV: "1"})
+    return subprocess.call([sys.executable, "-m", "divergence", *argv], env=env)

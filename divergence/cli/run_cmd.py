@@ -37,6 +37,11 @@ def add_arguments(p) -> None:
                    help="generate max_tokens even past end-of-text (on in the demo, so divergences have room)")
     p.add_argument("--tp", type=int, metavar="N", help="tensor parallelism: shard the models over N ranks "
                    "(started here over 127.0.0.1, or the group mlx.launch started); rank 0 writes the traces")
+    p.add_argument("--blas-core", metavar="CORE", help="run OpenBLAS's kernels for CORE (Haswell, Zen, SkylakeX, "
+                   "Cooperlake, ...; OPENBLAS_CORETYPE) instead of its pick for this CPU: a run as another machine "
+                   "would make it (see 'Divergence across machines' in the README)")
+    p.add_argument("--blas-threads", type=int, metavar="N", help="run OpenBLAS on N threads (default: its own "
+                   "count); the count changes fp32 bits on some cores")
     p.add_argument("--out", metavar="DIR", default="traces", help="a directory: one SCHEDULE.h5 trace per "
                    "schedule goes there (default ./traces)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
@@ -89,11 +94,15 @@ def main(args) -> int:
 
     validate(make_engine(cfg), requests)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    from ..blas import blas_in_use
+    from ..blas import blas_in_use, blas_threads as blas_threads_now
 
     say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
         + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
-    say(f"BLAS: {blas_in_use()}")
+    blas_threads = check_blas_request(args)
+    from ..blas import blas_core
+
+    core = blas_core()
+    say(f"BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads or blas_threads_now()} threads" if core else ""))
     if cfg.tp > 1:
         from ..engine.tp import current
 
@@ -102,7 +111,10 @@ def main(args) -> int:
     if demo and args.policy is None:
         say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
             "on a CPU whose own kernels are batch-invariant")
-    results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
+    from ..blas import using_blas_threads
+
+    with using_blas_threads(blas_threads):
+        results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
     if not is_writer():
         return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
     paths = {s: str(out / f"{s}.h5") for s in schedules}
@@ -142,3 +154,18 @@ def main(args) -> int:
         print(f"{base} vs {s}: diverged: {where}")
         print(f"next: divergence bisect {paths[base]} {paths[s]} --confirm")
     return 0 if identical else 1  # like diff and bisect: 1 when a compared pair diverged
+
+
+def check_blas_request(args) -> int | None:
+    """--blas-core / --blas-threads, once the BLAS has loaded (cli/reexec.py set the core
+    before it did): the core OpenBLAS runs must be the one asked for. The thread count."""
+    from ..blas import blas_core, blas_in_use, blas_threads
+
+    if (args.blas_core or args.blas_threads) and blas_threads() is None:
+        raise PromptError(f"--blas-core / --blas-threads set OpenBLAS, and this run uses {blas_in_use()}")
+    if args.blas_core and (blas_core() or "").lower() != args.blas_core.lower():
+        raise PromptError(f"--blas-core {args.blas_core}: OpenBLAS runs core {blas_core()} (a DYNAMIC_ARCH build "
+                          f"takes OPENBLAS_CORETYPE; this one did not)")
+    if args.blas_threads is not None and args.blas_threads < 1:
+        raise PromptError("--blas-threads must be >= 1")
+    return args.blas_threads
