@@ -1,5 +1,6 @@
 """Confirmation by replay: force B's root-cause step (then every suspect step) to run as
-A's ran it, and check that B then matches A up to the divergence. Forcing means A's
+A's ran it, and check that B then matches A up to the divergence (each replay first checked
+to be B with only that change: analysis.rerun_check). Forcing means A's
 kernels, or each request of the step alone (SOLO), or A's very rows (RelayoutStep)
 where the backend's kernels depend on the row count; a sampled flip that the draft
 decided is proven at that draw. Engine-free: it drives a `Replayer` (analysis.replay)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .forcing import force_like_a, forcing_words, prefill_as_a, rows_per_op
+from .rerun_check import RunRecord, asked_of_forcing, check_rerun
 
 
 def _suspect_steps(a, b, rid: str, pos: int, step_a: int, step_b: int, model: str = "target") -> dict[int, int]:
@@ -85,10 +87,12 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
                     self.got = c
 
         rec = Draws()
+        record = RunRecord(kv_hashes=b.has_kv_hashes)
         try:
-            replayer.run(b, forced=forced, observers=[rec])
+            replayer.run(b, forced=forced, observers=[rec, record])
         except ValueError as e:
             raise _ForcingRefused(str(e)) from e
+        _check_replay(b, record, forced)
         return rec.got
 
     def _decides_like(story, got) -> bool:
@@ -226,6 +230,8 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
             return confirm(cause, rd)
         except _ForcingRefused as e:
             return False, f"the replay refused a forcing it needed ({e})"
+        except NotARerun as e:
+            return False, f"not a valid re-run of {label_b}: {e}"
 
     return confirm_or_refused
 
@@ -234,14 +240,49 @@ class _ForcingRefused(Exception):
     """A forced replay that could not run (its relayout does not fit the recorded plans)."""
 
 
+class NotARerun(Exception):
+    """A replay that is not B with only the forced change (analysis.rerun_check): its
+    tokens prove nothing; the message is the first difference."""
+
+
+def _check_replay(b, record, forced: dict) -> None:
+    """Raise NotARerun unless the recorded replay is B with only `forced` changed."""
+    got = check_rerun(b, record, min(forced) if forced else None, asked_of_forcing(forced))
+    if not got.valid:
+        raise NotARerun(got.first_difference)
+
+
+def _replay(replayer, b, forced: dict):
+    """Replay B with `forced`, checked to be B with only that change; memoised per replayer
+    (the check records the replay, so a memoising replayer would not memoise it)."""
+    memo = getattr(replayer, "_checked_replays", None)
+    if memo is None:
+        memo = {}
+        try:
+            replayer._checked_replays = memo
+        except AttributeError:
+            pass
+    key = (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())))
+    if key in memo and memo[key][0] is b:
+        return memo[key][1]
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        got = replayer.run(b, forced=forced, observers=[record])
+    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
+        raise _ForcingRefused(str(e)) from e
+    _check_replay(b, record, forced)
+    memo[key] = (b, got)
+    del_keys = list(memo)[:-16]
+    for k in del_keys:
+        del memo[k]
+    return got
+
+
 def _replay_matches(a, b, replayer, rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
     """Replay B with `forced`: (its first n tokens of `rid` are A's, and bit for bit with their
     top-k logits, the first of them that differs or None). Raises _ForcingRefused where the
     replay cannot lay the forcing out."""
-    try:
-        got = replayer.run(b, forced=forced).outputs[rid]
-    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
-        raise _ForcingRefused(str(e)) from e
+    got = _replay(replayer, b, forced).outputs[rid]
     ta = a.tokens(rid)
     want = [int(t) for t in ta.tokens[:n]]
     same = list(got.tokens[:n]) == want
@@ -290,6 +331,8 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             return search(rd)
         except _ForcingRefused as e:
             return None, 0, f"not found by replay: the replay refused a forcing it needed ({e})"
+        except NotARerun as e:
+            return None, 0, f"not found by replay: a replay was not a valid re-run of {label_b}: {e}"
 
     def search(rd):
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence

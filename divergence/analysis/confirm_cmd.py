@@ -4,8 +4,10 @@ Replay re-executes divergence's engine only; a trace another engine recorded is
 confirmed by that engine. For each cause, bisect fills the command's placeholders
 and runs it through the shell; the command re-runs B's schedule with the cause
 step changed as told and writes a trace (or a directory of the contract's JSON
-Lines, imported here) at {out}. The cause is confirmed when that run's tokens
-match A's up to the divergence, as for divergence's own replays.
+Lines, imported here) at {out}. The cause is confirmed when that run is B with only
+the change asked (analysis.rerun_check: B's earlier steps, kernels and K/V hashes, B's
+schedule, the step split or on the kernel asked) and its tokens match A's up to the
+divergence, as for divergence's own replays.
 
 Placeholders (values are shell-quoted):
   {trace}     B's trace          {step}   B's root-cause step
@@ -54,12 +56,35 @@ def force_for(cause) -> str:
     return a if a not in ("?", b) else SOLO
 
 
+def asked_of(used: set, cause, force: str):
+    """What the command was asked to change at the cause step (from the placeholders it
+    uses), as analysis.rerun_check checks it."""
+    from .rerun_check import AnyChange, Kernels, Split
+
+    if "force" in used:
+        if force == SOLO:
+            return Split(None)
+        return Kernels({cause.op: force} if cause.op else {}, or_split=True, others=True)
+    if "requests" in used and cause.co_batched_b:
+        return Split(frozenset(cause.co_batched_b))
+    return AnyChange()
+
+
 def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str = "B", *,
-                           workdir=None, timeout: float | None = None):
-    """confirm(cause, request_diff) -> (confirmed, detail), for bisect_traces(replayer=...)."""
+                           workdir=None, timeout: float | None = None, keep: bool = False):
+    """confirm(cause, request_diff) -> (confirmed, detail), for bisect_traces(replayer=...).
+    The re-runs go to workdir, else to a temporary directory removed with the confirmer
+    (when bisect is done with it) unless keep; `confirm.close()` removes it at once."""
     check_template(template)
     used = set(_FIELD.findall(template))
-    work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="divergence-confirm-"))
+    scratch = None
+    if workdir:
+        work = Path(workdir)
+    elif keep:
+        work = Path(tempfile.mkdtemp(prefix="divergence-confirm-"))
+    else:
+        scratch = tempfile.TemporaryDirectory(prefix="divergence-confirm-")
+        work = Path(scratch.name)
     runs: dict[str, Path] = {}  # filled command (without {out}) -> trace it wrote
 
     def run(cause, rid: str) -> tuple[Path, str]:
@@ -91,34 +116,36 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
 
     def confirm(cause, rd):
         from ..trace.reader import Trace
+        from .rerun_check import check_rerun
 
         if cause.kind == "sampler":
             return None, "a sampler cause has no kernel to change"
         path, force = run(cause, rd.id)
         tok = rd.first_divergent_token
         n = (tok.generated_index + 1) if tok is not None else rd.compared
+        where = f" ({path})" if keep or workdir else ""
         with Trace.open(path) as got:
             check_comparable(a, got)
+            valid = check_rerun(b, got, cause.b.step, asked_of(used, cause, force))
+            if not valid:
+                return False, f"not a valid re-run of {label_b}: {valid.first_difference} (--confirm-cmd){where}"
             ta, tg = a.tokens(rd.id), got.tokens(rd.id)
             want, have = [int(t) for t in ta.tokens[:n]], [int(t) for t in tg.tokens[:n]]
             la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
             lg = np.asarray(tg.topk_logits[:n], np.float32).view(np.uint32)
-        what = f"re-running {label_b} with {_change(used, cause, force)} (--confirm-cmd)"
+        # what the re-run did at the step, read from its trace (not from the command line)
+        what = f"re-running {label_b} with {valid.did} (--confirm-cmd)"
         if have == want:
             exact = ", bit for bit" if la.shape == lg.shape and bool((la == lg).all()) else \
                 " (tokens; some logits still differ)"
-            return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact} ({path})"
+            return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}{where}"
         first = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
-        return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first} ({path})"
+        return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}{where}"
 
+    def close():
+        if scratch is not None:
+            scratch.cleanup()
+
+    confirm.close = close
+    confirm.scratch = scratch  # its finalizer removes the directory when the confirmer goes
     return confirm
-
-
-def _change(used: set, cause, force: str) -> str:
-    """What the command was asked to change, in words (from the placeholders it uses)."""
-    step = cause.b.step
-    if "force" in used:
-        return f"step {step} split, each request alone" if force == SOLO else f"step {step} on kernel {force}"
-    if "requests" in used and cause.co_batched_b:
-        return f"{', '.join(cause.co_batched_b)} split out of step {step}"
-    return f"step {step} changed by the command"
