@@ -345,9 +345,12 @@ def _kv_cells(trace) -> np.ndarray:
     return cells[np.lexsort(cells[:, ::-1].T)]
 
 
-def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None, environment_of=None) -> ReplayReport:
+def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None, environment_of=None,
+           keep: bool = False) -> ReplayReport:
     """`divergence replay`: re-execute a trace, write the new trace, report fidelity.
-    environment_of: another trace, whose recorded BLAS environment the replay runs under."""
+    environment_of: another trace, whose recorded BLAS environment the replay runs under.
+    Without `out` the new trace goes to a temporary directory that lives as long as the
+    report (removed with it, or at exit), unless keep."""
     from ..trace.reader import Trace
     from .environment import recorded
 
@@ -362,11 +365,19 @@ def replay(path, *, force=(), out=None, model_dir=None, draft_dir=None, environm
             from ..tp_launch import is_writer
 
             out = out if is_writer() else None  # tensor parallel: rank 0 alone writes where asked
+        scratch = None
         if out is None:
-            tmp = tempfile.mkdtemp(prefix="divergence-replay-")
+            if keep:
+                tmp = tempfile.mkdtemp(prefix="divergence-replay-")
+            else:  # its finalizer removes it with the report (the CLI reads the trace first), or at exit
+                scratch = tempfile.TemporaryDirectory(prefix="divergence-replay-")
+                tmp = scratch.name
             out = Path(tmp) / (Path(path).stem + ".replay.h5")
-        return Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced,
-                                                                                 under=under)
+        report = Replayer(model_dir=model_dir, draft_dir=draft_dir).replay_to_file(trace, out, forced=forced,
+                                                                                   under=under)
+        if scratch is not None:
+            report._scratch = scratch
+        return report
 
 
 def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = "B"):

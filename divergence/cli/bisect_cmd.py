@@ -15,6 +15,8 @@ def add_arguments(p, *, html_required: bool = False) -> None:
     p.add_argument("--confirm-cmd", metavar="CMD", help="confirm through your own engine: a shell command "
                    "that re-runs B with the cause step changed and writes a trace to {out}; placeholders "
                    "{trace} {step} {requests} {request} {force} {out} (see docs/recording.md)")
+    p.add_argument("--keep", action="store_true", help="keep the re-runs' traces (--confirm-cmd), named in the "
+                   "confirmation; by default their temporary directory is removed when bisect ends")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the traces were recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
     p.add_argument("--ops", action="store_true", default=None,

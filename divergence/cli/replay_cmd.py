@@ -12,7 +12,8 @@ def add_arguments(p) -> None:
     p.add_argument("trace", metavar="TRACE.h5")
     p.add_argument("--force", action="append", default=[], metavar="STEP:KERNEL", help=_force_help())
     p.add_argument("--out", metavar="FILE.h5", help="the replayed trace: one file (run's --out is a directory) "
-                   "(default: a temporary file)")
+                   "(default: a temporary file, removed when replay ends unless --keep)")
+    p.add_argument("--keep", action="store_true", help="without --out, keep the temporary replayed trace")
     p.add_argument("--against", metavar="A.h5", help="the other trace of the pair TRACE diverged from: say what "
                    "the (forced) replay proved, request by request (and exit 1 where it proved nothing)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
@@ -56,7 +57,7 @@ def main(args) -> int:
     if args.tap:
         return _tap(args)
     r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft,
-               environment_of=args.environment_of)
+               environment_of=args.environment_of, keep=getattr(args, "keep", False))
     changed, against = _compare(args, r)
     code = 0 if (r.faithful or r.forced) else 1
     if against is not None and not against["proved"]:

@@ -108,6 +108,8 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
 
     made_dir = out_dir is None or not Path(out_dir).exists()
     out = Path(tempfile.mkdtemp(prefix="divergence-check-")) if out_dir is None else Path(out_dir)
+    if out_dir is None:
+        SCRATCH.append(out)  # kept when the check fails (its error names the traces); the plugin removes it
     out.mkdir(parents=True, exist_ok=True)
     try:
         paths, comparisons = _run_and_compare(subject, requests, schedules, out, confirm=confirm,
@@ -127,6 +129,9 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
         if made_dir and not any(out.iterdir()):
             out.rmdir()
     return result
+
+
+SCRATCH: list = []  # divergence-check-* folders made by checks in this process (testing.plugin removes them)
 
 
 def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool, bitwise: bool = False):

@@ -125,6 +125,8 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    if call.when == "teardown":  # the test's divergence-check-* folders: copied to artifacts if asked, then gone
+        _remove_scratch()
     if call.excinfo is not None and report.failed and item.config.stash[SETTINGS].artifacts is not None:
         from .checker import keep_artifacts
 
@@ -137,3 +139,12 @@ def pytest_runtest_makereport(item, call):
             report.sections.append(("divergence artifacts", "\n".join(kept)))
             report.user_properties.append(("divergence_artifacts", " ".join(kept)))
     return report
+
+
+def _remove_scratch() -> None:
+    import shutil
+
+    from .assertions import SCRATCH
+
+    while SCRATCH:
+        shutil.rmtree(SCRATCH.pop(), ignore_errors=True)
