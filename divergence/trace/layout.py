@@ -148,7 +148,9 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         f.flush()
         os.replace(tmp, path)
     except BaseException:
-        f.close()
+        from .writer import close_or_abandon  # a full disk: h5py's close of it would crash later
+
+        close_or_abandon(f)
         tmp.unlink(missing_ok=True)
         raise
     return f, tables, commit

@@ -302,6 +302,17 @@ def _flushes(f) -> bool:
         return False
 
 
+def close_or_abandon(f) -> None:
+    """Close f if its data can still reach the disk, else abandon it (see _abandon); never raises."""
+    if _flushes(f):
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001
+            pass
+    else:
+        _abandon(f)
+
+
 def _abandon(f) -> None:
     """Never close a file HDF5 cannot flush. h5py's close of it fails half way, and then the
     datasets' deallocation (at GC or exit) segfaults in HDF5. One more reference on each of its
