@@ -17,6 +17,7 @@ import numpy as np
 
 from ..core.events import Observer
 from ..core.labels import composition_text, kernel_label, label_policy
+from ..core.names import ATTENTION, EXPERTS, GATE
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,7 @@ def _comp(plan) -> str:
 def _passes(view: _View, step: int) -> list[int]:
     """Rows of each forward pass of a step: the records of its first linear op at its first
     layer (a step this engine ran request by request records each pass)."""
-    ks = [k for k in view.kernels(step) if k[2] not in ("attention", "experts", "gate")]
+    ks = [k for k in view.kernels(step) if k[2] not in (ATTENTION, EXPERTS, GATE)]
     if not ks:
         return []
     first = min(ks, key=lambda k: k[1])

@@ -30,11 +30,11 @@ def run_under_recorded_environment(args, argv) -> int | None:
     """The child's exit code when the command had to run in a child process; None when this
     process already runs under the traces' environment (or the command replays nothing)."""
     from ..analysis.environment import REEXEC_ENV, child_environment, recorded, reproduction
-    from ..analysis.replay import this_process
 
     paths = replayed_traces(args)
     if not paths or os.environ.get(REEXEC_ENV):
         return None
+    from ..analysis.replay import this_process  # loads the BLAS: only for a command that replays
     from ..analysis.environment import BLAS_FIELDS  # noqa: E402
     from ..trace.reader import Trace
 
