@@ -123,6 +123,8 @@ def test_a_failed_close_does_not_count_its_steps_as_on_disk(tmp_path, monkeypatc
         raise OSError("disk gone")
 
     monkeypatch.setattr(layout.TableFile, "finish", broken)
-    with pytest.raises(OSError):
+    from divergence.errors import TraceError
+
+    with pytest.raises(TraceError, match="disk gone"):  # the typed one-line error, not the OSError
         w.on_run_end(True)
     assert w.durable_steps == 0
