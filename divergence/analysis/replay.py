@@ -7,6 +7,7 @@ This is how `bisect --confirm` proves a root cause.
 """
 from __future__ import annotations
 
+import contextvars
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -188,6 +189,11 @@ def engine_settings(trace) -> dict:
             "topk_values": s.get("topk_values", LOGPROBS)}
 
 
+# A front end's progress display, (trace) -> engine Observer, set for the length of one command
+# (cli/progress.py); every replay then reports its steps to it. None: no display.
+REPLAY_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("divergence_replay_progress", default=None)
+
+
 class Replayer:
     """Replays traces; models come from the engine's one per-process cache."""
 
@@ -199,6 +205,9 @@ class Replayer:
         from ..engine.engine import Engine
 
         check_replayable(trace)
+        progress = REPLAY_PROGRESS.get()
+        if progress is not None:
+            observers = (*observers, progress(trace))
         meta = trace.meta
         from ..engine.tp import group_for
 

@@ -6,15 +6,14 @@ import contextlib
 import sys
 import time
 
+from ..core.events import Observer
+
 
 def on_tty() -> bool:
     try:
         return sys.stderr.isatty()
     except (AttributeError, ValueError):  # a closed or replaced stderr
         return False
-
-
-from ..core.events import Observer
 
 
 class StepLine(Observer):
@@ -45,23 +44,21 @@ class StepLine(Observer):
 @contextlib.contextmanager
 def replay_progress(what: str = "replaying"):
     """While inside, every replay (divergence.analysis.replay.Replayer) shows a StepLine on a
-    terminal; elsewhere nothing changes."""
+    terminal (through analysis.replay.REPLAY_PROGRESS); elsewhere nothing changes."""
     if not on_tty():
         yield
         return
-    from ..analysis.replay import Replayer
+    from ..analysis.replay import REPLAY_PROGRESS
 
-    original = Replayer.engine_for
-
-    def engine_for(self, trace, *, observers=()):
+    def line(trace):
         try:
             total = trace.num_steps
         except Exception:  # a progress line is never worth a failure
             total = "?"
-        return original(self, trace, observers=(*observers, StepLine(what, total)))
+        return StepLine(what, total)
 
-    Replayer.engine_for = engine_for
+    token = REPLAY_PROGRESS.set(line)
     try:
         yield
     finally:
-        Replayer.engine_for = original
+        REPLAY_PROGRESS.reset(token)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import sys
 
-from divergence.analysis.replay import Replayer
+from divergence.analysis.replay import REPLAY_PROGRESS
 from divergence.cli.progress import StepLine, replay_progress
 
 
@@ -15,26 +15,21 @@ class _Tty(io.StringIO):
 
 def test_no_terminal_no_progress(monkeypatch):
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    original = Replayer.engine_for
     with replay_progress():
-        assert Replayer.engine_for is original
+        assert REPLAY_PROGRESS.get() is None
 
 
 def test_on_a_terminal_replays_show_their_step(monkeypatch):
     tty = _Tty()
     monkeypatch.setattr(sys, "stderr", tty)
-    seen = []
-    monkeypatch.setattr(Replayer, "engine_for", lambda self, trace, *, observers=(): seen.append(observers))
-    patched_from = Replayer.engine_for
 
     class T:
         num_steps = 3
 
     with replay_progress():
-        assert Replayer.engine_for is not patched_from
-        Replayer().engine_for(T())
-    assert Replayer.engine_for is patched_from  # put back
-    (line,) = [o for o in seen[0] if isinstance(o, StepLine)]
+        line = REPLAY_PROGRESS.get()(T())
+    assert REPLAY_PROGRESS.get() is None  # put back
+    assert isinstance(line, StepLine)
     line.every_s = 0
     for _ in range(3):
         line.on_step(None)
