@@ -31,6 +31,7 @@ class AnalysisOptions:
     replay: bool = True  # False: never run the engine (browse): leads from the traces alone
     make_replayer: Callable | None = None  # (model_dir, draft_dir) -> Replayer (the plugin memoises)
     labels: tuple | None = None  # (A's, B's); default the traces' schedule labels
+    keep: bool = False  # keep the re-runs' temporary traces (--confirm-cmd), named in the report
     note: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr))
 
     @classmethod
@@ -38,7 +39,7 @@ class AnalysisOptions:
         """The options of `divergence bisect` / `report` (their shared arguments)."""
         return cls(confirm=bool(args.confirm), confirm_cmd=getattr(args, "confirm_cmd", None),
                    ops=getattr(args, "ops", None), bitwise=bool(args.bitwise), model_dir=args.model,
-                   draft_dir=args.draft)
+                   draft_dir=args.draft, keep=bool(getattr(args, "keep", False)))
 
 
 def foreign(a, b) -> bool:
@@ -66,7 +67,7 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
     if opts.confirm_cmd:  # the user's engine confirms (traces of other engines)
         from .confirm_cmd import make_command_confirmer
 
-        confirmer = make_command_confirmer(a, b, opts.confirm_cmd, *labels)
+        confirmer = make_command_confirmer(a, b, opts.confirm_cmd, *labels, keep=opts.keep)
     elif opts.replay and (opts.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not foreign(a, b)):
         # (--confirm on another engine's traces: check_replayable refuses them, in one line)
         from .replay import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
