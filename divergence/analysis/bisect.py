@@ -130,6 +130,21 @@ class BisectReport:
         return j
 
 
+def _lead_without_hashes(a, b, rd: RequestDiff, d: DiffReport) -> str:
+    """No KV hashes to walk back through and no replay here (another engine's traces): the
+    step whose logits first differ is the lead, said to be only that, with the command that
+    would confirm it through the engine that made the traces."""
+    site = rd.first_numeric_divergence or rd.first_divergent_token
+    if site is None:
+        return "not found: the traces have no KV hashes and nothing differs numerically"
+    comp = step_view(b, site.step_b)
+    rows = ", ".join(f"{c['request_id']} {c['phase']}[{c['start']}:{c['start'] + c['count']}]" for c in comp.composition)
+    return (f"not found (no KV hashes to walk back through, and no replay of these traces here); lead only: "
+            f"the logits first differ at position {site.position}, computed in {d.label_b} step {site.step_b} "
+            f"({comp.rows} rows = {rows}) and {d.label_a} step {site.step_a}; to confirm it, re-run B with that "
+            f"step changed: divergence bisect {d.path_a} {d.path_b} --confirm-cmd CMD")
+
+
 def as_environment_cause(a, b, cause: RootCause) -> None:
     """Two runs of one schedule in different numeric environments: where the lead is the same
     step, with the same composition in both, what changed its bits is the environment (the
@@ -389,6 +404,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
                 unexplained[rd.id] = got[2]
         else:
             cause = None
+            unexplained[rd.id] = _lead_without_hashes(a, b, rd, d)
         if cause is not None:
             cause.routing_flip = _routing_flip(a, b, rd)
             cause.tensor_parallel = tp_describe(a, b, cause)

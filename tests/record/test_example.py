@@ -128,7 +128,16 @@ def test_without_kv_hashes_bisect_diffs_and_does_not_try_replay(pair, tmp_path, 
         paths.append(str(tmp_path / f"{name}.h5"))
     rc, b = run_json(["bisect", *paths], capsys)
     assert rc == 1 and b["mode"].startswith("none") and b["requests"][0]["root_cause"] is None
-    assert b["requests"][0]["first_divergent_token"]["position"] == 43
+    r = b["requests"][0]
+    assert r["first_divergent_token"]["position"] == 43
+    # no silence: the step whose logits first differ is the lead, said to be only that, with
+    # the command that would confirm it through the engine that made the traces
+    lead = r["root_cause_not_found"]
+    step = (r["first_numeric_divergence"] or r["first_divergent_token"])["step_b"]
+    assert "lead only" in lead and f"step {step} " in lead and "--confirm-cmd" in lead, lead
+    capsys.readouterr()
+    assert main(["bisect", *paths]) == 1
+    assert "    root cause: not found (no KV hashes to walk back through" in capsys.readouterr().out
 
 
 def test_ops_asked_for_foreign_traces_says_it_is_not_looked_for(pair, capsys):
