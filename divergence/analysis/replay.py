@@ -400,7 +400,7 @@ def make_op_finder(a, b, replayer: Replayer, label_a: str = "A", label_b: str = 
 
     seen: dict = {}
 
-    def record(trace, step: int, rid: str) -> OpRows:
+    def record(trace, step: int, rid: str):  # -> analysis.ops.OpRows
         key = (id(trace), step, rid)
         if key not in seen:
             if reproduction(recorded(trace), this_process()).needs_child:  # recorded under another BLAS core

@@ -51,3 +51,14 @@ def real_pair(tmp_path_factory):
     out = tmp_path_factory.mktemp("real")
     run_schedules(cfg, target, draft, builtin_requests(target.encode, max_tokens=8), ["serial", "concurrent"], out)
     return out / "serial.h5", out / "concurrent.h5"
+
+
+@pytest.fixture
+def app(story_pair):
+    """The browser over the story pair (tests/tui/story.py), closed after the test."""
+    from divergence.tui.app import BrowseApp
+    from divergence.tui.data import BrowseData
+
+    data = BrowseData.open(*story_pair)
+    yield BrowseApp(data)
+    data.close()

@@ -22,12 +22,6 @@ SIZE = (120, 40)
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def app(story_pair):
-    data = BrowseData.open(*story_pair)
-    yield BrowseApp(data)
-    data.close()
-
 
 async def test_from_overview_to_the_root_cause(app, story_pair):
     async with app.run_test(size=SIZE) as pilot:

@@ -17,12 +17,6 @@ from .helpers import screen_text, settle, text_of
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def app(story_pair):
-    data = BrowseData.open(*story_pair)
-    yield BrowseApp(data)
-    data.close()
-
 
 def visible(table: VirtualTable) -> range:
     top = round(table.scroll_y)
