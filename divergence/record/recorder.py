@@ -245,7 +245,8 @@ class Recorder:
         return False
 
     def close(self, *, completed: bool = True) -> Path | None:
-        """Write the trace (to PATH.partial, renamed to PATH once whole). Returns the path."""
+        """Write the trace (to a unique `PATH.<pid>-<random>.partial`, renamed to PATH once whole;
+        removed on failure). Returns the path."""
         if self._closed:
             return self.path
         self._closed = True
@@ -269,7 +270,9 @@ class Recorder:
 
         ops = [k["op"] for g in self._records.values() for k in g["kernel"]]
         kernels = [k["kernel"] for g in self._records.values() for k in g["kernel"]]
-        partial = self.path.with_name(self.path.name + ".partial")
+        from ..core.atomic import temp_name
+
+        partial = temp_name(self.path, "partial")  # unique per process: two imports never write one file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             with TraceWriter(partial, top_k=top_k, kv_hashes=has_kv, kv_hash=self.run["kv_hash"] or HASH_NAME,
