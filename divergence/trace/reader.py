@@ -26,6 +26,7 @@ from ..core.request import Sampling
 from ..errors import TraceError
 from . import live
 from . import schema as S
+from . import validate
 from .h5lock import H5_LOCK
 from .layout import read_commit, read_rows
 from .layout_v1 import read_v1_table
@@ -77,7 +78,7 @@ class Trace:
                 raise
             except Exception as e:  # damaged metadata
                 _FILES.release(f)
-                raise TraceError(f"cannot read {p}: {e}") from None
+                raise TraceError(f"cannot read {p}: {validate.one_line(e)}") from None
         return cls(p, f, swmr=swmr)
 
     def close(self) -> None:
@@ -151,7 +152,16 @@ class Trace:
 
     def _meta(self) -> dict:
         m = self.f[S.META].attrs
-        out = {k: json.loads(m[k]) for k in ("settings", "model", "draft", "environment")}
+        out = {}
+        for k in ("settings", "model", "draft", "environment"):
+            try:
+                out[k] = json.loads(m[k])
+            except KeyError:
+                raise validate.damaged(self.path, f"/meta has no attribute {k!r}") from None
+            except (TypeError, ValueError) as e:
+                raise validate.damaged(self.path, f"/meta attribute {k!r} is not JSON ({e})") from None
+        if not isinstance(out["settings"], dict):
+            raise validate.damaged(self.path, "/meta attribute 'settings' is not a JSON object")
         for k in ("schedule", "policy", "created", "top_k"):
             v = self.f.attrs.get(k)
             out[k] = v.item() if hasattr(v, "item") else v
@@ -164,13 +174,42 @@ class Trace:
 
     def _requests(self) -> list[TraceRequest]:
         g = self.f[S.REQUESTS]
-        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in g["id"][()]]
-        off = g["prompt_offsets"][()]
-        flat = g["prompt_tokens"][()]
-        arr, mt = g["arrival"][()], g["max_tokens"][()]
-        temp, top_p, seed = g["temperature"][()], g["top_p"][()], g["seed"][()]
+        try:
+            ids = [x.decode() if isinstance(x, bytes) else str(x) for x in g["id"][()]]
+            off = g["prompt_offsets"][()]
+            flat = g["prompt_tokens"][()]
+            arr, mt = g["arrival"][()], g["max_tokens"][()]
+            temp, top_p, seed = g["temperature"][()], g["top_p"][()], g["seed"][()]
+        except Exception as e:  # noqa: BLE001  (a dataset missing, or not an array)
+            raise validate.damaged(self.path, f"/requests cannot be read ({e})") from None
+        n = len(ids)
+        for name, a in (("prompt_offsets", off), ("prompt_tokens", flat), ("arrival", arr), ("max_tokens", mt),
+                        ("temperature", temp), ("top_p", top_p), ("seed", seed)):
+            want = n + 1 if name == "prompt_offsets" else None
+            if getattr(a, "ndim", 0) != 1 or a.dtype.kind not in ("f" if name in ("temperature", "top_p") else "iu"):
+                raise validate.damaged(self.path, f"/requests/{name} is not a 1-D numeric array")
+            if want is not None and len(a) != want or want is None and name != "prompt_tokens" and len(a) != n:
+                raise validate.damaged(self.path, f"/requests/{name} holds {len(a)} entries for {n} requests")
+        if n and (off[0] < 0 or (np.diff(off) < 0).any() or off[-1] > len(flat)):
+            raise validate.damaged(self.path, "/requests/prompt_offsets do not index /requests/prompt_tokens")
+        self._check_request_count(n)
         return [TraceRequest(rid, tuple(int(t) for t in flat[off[i]: off[i + 1]]), int(arr[i]), int(mt[i]),
                              Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
+
+    def _check_request_count(self, n: int) -> None:
+        """Every request arrives (/request_events): one past /requests means the table was cut."""
+        try:
+            t = S.TABLES["request_events"]
+            cols = read_v1_table(self.f, t, refresh=self.swmr) if self.version == 1 else self._read_v2("request_events")
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise validate.damaged(self.path, f"cannot read /request_events ({e})") from None
+        req = cols.get("request")
+        if req is not None and len(req) and req.dtype.kind in "iu" and int(req.max()) >= n:
+            i = int(np.flatnonzero(req >= n)[0])
+            raise validate.damaged(self.path, f"/request_events row {i} names request {int(req[i])}, but /requests "
+                                              f"holds {n}")
 
     def request_index(self, request_id: str) -> int:
         idx = self._once("request_index", lambda: {r.id: i for i, r in enumerate(self.requests)})
@@ -203,24 +242,61 @@ class Trace:
         """Every record of a table on disk (codes as stored), its schema columns complete."""
         t = S.TABLES[name]
         widths = self._once("widths", self._widths)
-        if self.version == 1:
-            cols = read_v1_table(self.f, t, refresh=self.swmr)
-        else:
-            cols = self._read_v2(name)
+        try:
+            if self.version == 1:
+                cols = read_v1_table(self.f, t, refresh=self.swmr)
+            else:
+                cols = self._read_v2(name)
+        except TraceError:
+            raise
+        except Exception as e:  # noqa: BLE001  (HDF5: OSError, KeyError, TypeError of a foreign object)
+            raise validate.damaged(self.path, f"cannot read /{name} ({e})") from None
+        validate.table(self, name, cols, widths)
         n = len(next(iter(cols.values()))) if cols else 0
         out = {}
         for col, c in t.columns.items():
             out[col] = cols[col] if col in cols else S.default_array(c, n, S.column_width(c, widths))
         for col, src in t.derived.items():
             out[col] = cols[col] if col in cols else out[src].copy()
+        validate.contents(self, name, out)
         return out
+
+    def _rows(self, name: str) -> int:
+        """Rows of a table in this snapshot (what offsets into it may reach), without reading it (schema 2)."""
+        if self.version == 2:
+            nb, nt, _ = self._once("commit", self._commit).get(name, (0, 0, 0))
+            return nb + nt
+        return self._once(("rows", name), lambda: len(next(iter(
+            read_v1_table(self.f, S.TABLES[name], refresh=self.swmr).values()), ())))
+
+    def check(self) -> "Trace":
+        """Read and check every table now (they are checked when first read anyway): a damaged
+        trace is one TraceError naming the table and row. Returns self."""
+        with H5_LOCK:
+            if self._cache.get("checked"):
+                return self
+            self._cache["checked"] = True  # (reading the tokens below comes back here)
+            try:
+                self.requests, self.meta
+                for name in S.TABLES:
+                    self.table(name, raw=True)
+            except BaseException:
+                self._cache.pop("checked", None)
+                raise
+        return self
 
     def _read_v2(self, name: str) -> dict[str, np.ndarray]:
         commit = self._once("commit", self._commit)  # the snapshot
         if name not in commit:
             return {}
         nb, nt, _ = commit[name]
+        if not isinstance(self.f.get(name), h5py.Dataset):
+            raise validate.damaged(self.path, f"/{name} is not a dataset")
+        validate.records(self.path, name, self.f[name])
         rec = read_rows(self.f, name, nb + nt, refresh=self.swmr) if S.COMMIT in self.f else self.f[name][: nb + nt]
+        validate.records(self.path, name, rec)
+        if S.COMMIT in self.f:
+            validate.rows_committed(self.path, name, len(rec), nb + nt)
         return {k: np.ascontiguousarray(rec[k]) for k in rec.dtype.names}
 
     def _commit(self) -> dict:
@@ -257,7 +333,10 @@ class Trace:
                 return t
             keep = t["step"] <= last
             return t if keep.all() else {k: v[keep] for k, v in t.items()}
-        return self._once(("visible", name), load)
+        t = self._once(("visible", name), load)
+        if name == "tokens":  # every command reads the tokens: check the other tables then too (once)
+            self.check()
+        return t
 
     def has_table(self, name: str) -> bool:
         """Whether the file holds the table at all (written before a table existed: no)."""

@@ -10,6 +10,7 @@ from ...analysis.bisect import BisectReport, RootCause
 from ...analysis.pipeline import AnalysisOptions, analyze_pair
 from ...analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ...analysis.report import KIND_TEXT, request_lines
+from ...errors import TraceError
 from ...trace.reader import Trace
 from .kv import KvGrid, kv_grid
 from .routing import PositionRouting, position_routing, request_routing
@@ -41,8 +42,10 @@ class BrowseData:
         a = Trace.open(path_a)
         b = None
         try:
+            a.check()  # a damaged trace: one TraceError here, not a crash in a screen's worker
             if path_b is not None:
                 b = Trace.open(path_b)
+                b.check()
                 check_comparable(a, b)
         except BaseException:
             a.close()
@@ -113,7 +116,9 @@ class BrowseData:
                 # the leads every front end gets (analysis.pipeline), without replays: browse runs no model
                 self.bisect = analyze_pair(a, b, AnalysisOptions(replay=False))
                 self.diff = self.bisect.diff
-            except Exception as e:  # a damaged trace: show what we can, say why
+            except TraceError as e:  # a damaged trace: its one line
+                self.analysis_error = str(e)
+            except Exception as e:  # show what we can, say why
                 self.analysis_error = f"{type(e).__name__}: {e}"
 
     @property

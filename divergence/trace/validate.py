@@ -1,0 +1,140 @@
+"""Schema checks of a trace's tables, run once per table per snapshot, when it is first read.
+
+A trace edited (or damaged) after it was written can pass the checks at open and still
+hold records the readers cannot use: a column of the wrong dtype, an offset past the end
+of the table it points into, a code no code table names, a request index past /requests,
+rows its commit record names but the file lacks. Each is one TraceError naming the table
+and the first bad row ("PATH is a damaged trace: /kv_writes row 5: hash_offset ... "), so
+every reader (diff, bisect, replay, report, browse, the pytest plugin) says so on one line
+instead of crashing, or worse, comparing garbage. Vectorised numpy: a pass over each
+column once.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import TraceError
+from . import schema as S
+
+# column -> (count column or 1, table it points into): rows [offset, offset + count) must exist there
+OFFSETS: dict[str, dict[str, tuple[str | None, str]]] = {
+    "steps": {"slice_offset": ("slice_count", "slices")},
+    "slices": {"token_offset": ("count", "slice_tokens"), "logit_offset": ("logit_count", "slice_logit_rows")},
+    "kv_writes": {"hash_offset": ("count", "kv_hashes")},
+    "routing": {"choice_offset": ("k", "routing_choices")},
+}
+_KINDS = {"i": "iu", "u": "iu", "f": "f", "b": "b"}  # schema dtype kind -> stored kinds a reader can use
+
+
+def one_line(text) -> str:
+    """A message on one line (HDF5's span several)."""
+    return " ".join(str(text).split())
+
+
+def damaged(path, what: str) -> TraceError:
+    return TraceError(f"{path} is a damaged trace: {one_line(what)}")
+
+
+def records(path, name: str, rec) -> None:
+    """A schema-2 table as stored: a compound dataset (its fields named like columns)."""
+    if getattr(rec, "dtype", None) is None or rec.dtype.names is None:
+        dt = getattr(rec, "dtype", type(rec).__name__)
+        raise damaged(path, f"/{name} is not a table of records (it holds {dt})")
+
+
+def rows_committed(path, name: str, got: int, want: int) -> None:
+    if got < want:
+        raise damaged(path, f"/{name} holds {got} rows, its commit record names {want}")
+
+
+def _first(bad: np.ndarray) -> int:
+    return int(np.flatnonzero(bad)[0])
+
+
+def table(trace, name: str, cols: dict[str, np.ndarray], widths: dict) -> None:
+    """Dtypes, shapes and lengths of the columns the file stored (`cols`, before defaults)."""
+    t = S.TABLES[name]
+    n = None
+    for col, a in cols.items():
+        c = t.columns.get(col)
+        if c is None:
+            continue
+        want = np.dtype(c.dtype)
+        if a.dtype.kind not in _KINDS.get(want.kind, want.kind):
+            raise damaged(trace.path, f"/{name} column {col} is {a.dtype}, not {want}")
+        ndim = 1 if c.width is None else 2
+        if a.ndim != ndim:
+            raise damaged(trace.path, f"/{name} column {col} has {a.ndim} dimensions, not {ndim}")
+        if n is None:
+            n = len(a)
+        elif len(a) != n:
+            raise damaged(trace.path, f"/{name} column {col} holds {len(a)} rows, not {n}")
+
+
+def contents(trace, name: str, t: dict[str, np.ndarray]) -> None:
+    """Codes known, request indices within /requests, offsets within the tables they point into."""
+    spec = S.TABLES[name]
+    n = len(next(iter(t.values()))) if t else 0
+    if n == 0:
+        return
+    for col, c in spec.columns.items():
+        if c.codes is None:
+            continue
+        v = t[col]
+        if c.codes == S.REQUEST:
+            limit, what = len(trace.requests), "requests"
+        else:
+            limit, what = len(trace.codes(c.codes)), f"attrs['{c.codes}']"
+        bad = (v < 0) | (v >= limit)
+        if bad.any():
+            i = _first(bad)
+            raise damaged(trace.path, f"/{name} row {i}: {col} {int(v[i])} is not an index into {what} "
+                                      f"({limit} entries)")
+    for col, (count, target) in OFFSETS.get(name, {}).items():
+        if target == "kv_hashes" and not trace.has_kv_hashes:
+            continue  # a run without KV hashes: its writes point nowhere
+        off = t[col].astype(np.int64)
+        cnt = t[count].astype(np.int64) if count else np.ones(n, np.int64)
+        limit = trace._rows(target)
+        bad = (off < 0) | (cnt < 0) | (off + cnt > limit)
+        if bad.any():
+            i = _first(bad)
+            raise damaged(trace.path, f"/{name} row {i}: {col} {int(off[i])} + {count} {int(cnt[i])} is past the "
+                                      f"end of /{target} ({limit} rows)")
+    if name == "tokens":
+        _tokens(trace, t)
+
+
+def _tokens(trace, t: dict[str, np.ndarray]) -> None:
+    ids, logits = t["topk_ids"], t["topk_logits"]
+    if ids.shape != logits.shape:
+        raise damaged(trace.path, f"/tokens topk_ids is {ids.shape[1:]} wide but topk_logits {logits.shape[1:]}")
+    bad = np.isnan(logits) & (ids >= 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad.any(axis=1))[0])
+        raise damaged(trace.path, f"/tokens row {i}: a recorded top-k id ({int(ids[i][bad[i]][0])}) has a NaN "
+                                  f"logit (damaged, or the model produced NaN)")
+    if not trace.completed:
+        return
+    # a completed run: every finished request has its tokens, none after its finish
+    ev = trace.table("request_events", raw=True)
+    fin = ev["kind"] == trace.codes("kinds").index("finished")
+    if not fin.any():
+        return
+    req, at = ev["request"][fin].astype(np.int64), ev["step"][fin]
+    nreq = len(trace.requests)
+    last = np.full(nreq, -1, np.int64)
+    np.maximum.at(last, t["request"].astype(np.int64), t["step"].astype(np.int64))
+    none = last[req] < 0
+    if none.any():
+        rid = trace.requests[int(req[_first(none)])].id
+        raise damaged(trace.path, f"/tokens holds no token of {rid}, which finished at step {int(at[_first(none)])} "
+                                  f"of this completed run (the table was cut?)")
+    finish = np.full(nreq, np.iinfo(np.int64).max, np.int64)
+    np.minimum.at(finish, req, at.astype(np.int64))
+    late = t["step"].astype(np.int64) > finish[t["request"].astype(np.int64)]
+    if late.any():
+        i = _first(late)
+        rid = trace.requests[int(t["request"][i])].id
+        raise damaged(trace.path, f"/tokens row {i}: a token of {rid} at step {int(t['step'][i])}, after it "
+                                  f"finished (step {int(finish[t['request'][i]])})")
