@@ -250,10 +250,21 @@ class Replayer:
         from ..trace.reader import Trace
         from ..trace.writer import TraceWriter
 
+        import os
+
+        from ..core.atomic import temp_name
+
         s = trace.meta["settings"]
         has_kv = trace.has_kv_hashes
-        with TraceWriter(out, top_k=s["top_k"], kv_hashes=has_kv) as writer:
-            result = self.run(trace, forced=forced, observers=[writer], under=under)
+        out = Path(out)
+        tmp = temp_name(out, "partial")  # an existing `out` is only replaced by a whole replay
+        try:
+            with TraceWriter(tmp, top_k=s["top_k"], kv_hashes=has_kv) as writer:
+                result = self.run(trace, forced=forced, observers=[writer], under=under)
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         with Trace.open(out) as replayed:
             return fidelity(trace, replayed, forced or {}, result.seconds, str(out))
 
