@@ -32,6 +32,24 @@ SAMPLER = "sampler"
 ENVIRONMENT = "environment"  # the same step, laid out alike, computed under another BLAS / core / device
 WRITE_OPS = ("k_proj", "v_proj")  # the ops whose output is written to the cache
 
+# How a cause's confirmation was run (RootCause.confirmed_by): each confirmer sets one of
+# these names; CONFIRMED_BY words them for the text report and the HTML page.
+BY_REPLAY = "replay"  # this engine's replay of B, the step's ops on A's kernels
+BY_REPLAY_SOLO = "replay_solo"  # ... the step run request by request, as A ran it
+BY_REPLAY_PREFILL = "replay_prefill"  # ... the request's prompt computed in A's prefill passes
+BY_REPLAY_UNSHARDED = "replay_unsharded"  # ... the TP side's sharded ops unsharded
+BY_COMMAND = "command"  # the user's engine, re-run by --confirm-cmd
+BY_ENVIRONMENT = "environment"  # B replayed under A's recorded environment
+CONFIRMED_BY = {
+    BY_REPLAY: "this engine's replay of B with the step's kernels forced to A's (--confirm)",
+    BY_REPLAY_SOLO: "this engine's replay of B with the step run request by request (solo), as A ran it (--confirm)",
+    BY_REPLAY_PREFILL: "this engine's replay of B with the request's prompt computed in A's prefill passes, "
+                       "each request alone (--confirm)",
+    BY_REPLAY_UNSHARDED: "this engine's replay of the TP side with its sharded ops unsharded (--confirm)",
+    BY_COMMAND: "your engine, re-run by your command with the step changed (--confirm-cmd)",
+    BY_ENVIRONMENT: "this engine's replay of B under A's recorded environment (--confirm)",
+}
+
 
 @dataclass
 class StepView:
@@ -63,6 +81,8 @@ class RootCause:
     op: str | None = None  # the op whose kernel differs between the two steps
     confirmed: bool | None = None
     confirm_detail: str = ""
+    # how the confirmation was run (a CONFIRMED_BY name), whatever its result; None: none ran
+    confirmed_by: str | None = None
     routing_flip: object = None  # analysis.routing.RoutingFlip on the path to the divergence (MoE models)
     tensor_parallel: dict | None = None  # TP=1 vs TP=N pairs: see analysis.tp.describe
     sampler: SamplerStory | None = None  # where the flip's uniform draw fell in each trace
@@ -88,6 +108,7 @@ class RootCause:
             "native_class_changes": {op: {"rows_a": ra, "rows_b": rb}
                                      for op, (ra, rb) in self.native_class_changes.items()},
             "confirm_detail": self.confirm_detail,
+            "confirmed_by": self.confirmed_by,
             "routing_flip": self.routing_flip.to_json() if self.routing_flip is not None else None,
             "tensor_parallel": self.tensor_parallel,
             "model": self.model,
@@ -96,6 +117,16 @@ class RootCause:
             "sampler": self.sampler.to_json() if self.sampler else None,
             "env_diff": {k: list(v) for k, v in self.env_diff.items()} if self.env_diff else None,
         }
+
+
+@dataclass
+class ReplayBisection:
+    """What a replay bisector (analysis.confirm.make_replay_bisector) found for one request:
+    the cause (confirmed by its own replays) or None, the replays it ran, and why none was found."""
+
+    cause: RootCause | None
+    replays: int = 0
+    why_not_found: str | None = None
 
 
 @dataclass
@@ -379,9 +410,9 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
                   bitwise: bool = False, op_finder=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
     replays B with the root-cause step forced to A's kernels (see analysis.replay).
-    Traces without KV hashes need `replay_bisector(request_diff)` -> (cause, replays) or
-    (cause, replays, why no cause was found): a binary search over steps by replay
-    (analysis.replay.make_replay_bisector); the why goes to BisectReport.unexplained.
+    Traces without KV hashes need `replay_bisector(request_diff)` -> ReplayBisection (or the
+    tuple of its fields): a binary search over steps by replay
+    (analysis.replay.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
     bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
     op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
     steps recording every op's output rows (analysis.replay.make_op_finder)."""
@@ -398,10 +429,12 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
             cause = find_root_cause(a, b, rd)
         elif replay_bisector is not None:
             got = replay_bisector(rd)
-            cause, n = got[0], got[1]
-            replays += n
-            if cause is None and len(got) > 2 and got[2]:
-                unexplained[rd.id] = got[2]
+            if not isinstance(got, ReplayBisection):
+                got = ReplayBisection(*got)
+            cause = got.cause
+            replays += got.replays
+            if cause is None and got.why_not_found:
+                unexplained[rd.id] = got.why_not_found
         else:
             cause = None
             unexplained[rd.id] = _lead_without_hashes(a, b, rd, d)

@@ -6,6 +6,8 @@ where the backend's kernels depend on the row count; a sampled flip that the dra
 decided is proven at that draw. Engine-free: it drives a `Replayer` (analysis.replay)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from .forcing import force_like_a, forcing_words, prefill_as_a, rows_per_op
@@ -54,132 +56,114 @@ def _draft_pairs(a, b, rid: str, until_a: int, until_b: int) -> dict[int, int]:
     return out
 
 
-def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
-    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces.
+@dataclass
+class RungResult:
+    """What one rung of a confirmation found. confirmed None: the rung did not apply (nothing
+    to force beyond an earlier rung's). forced: the forcing B was replayed with (B step ->
+    forcing); replays: the checks it ran; first: where the request still differed (a generated
+    index, or a position's offset from the prompt's end with --bitwise); by: how it confirmed
+    (a CONFIRMED_BY name of analysis.bisect)."""
 
-    What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
-    A's logits bit for bit up to the first position where they differed. First the strong
-    claim: B with only the root-cause step run as A ran it (A's kernels, or request by
-    request where both are `native`). If other steps also differ, the weaker one: B with
-    every suspect step forced (the divergent row's step, and every step whose K/V writes
-    it read differently). A sampler cause (the draft's q) forces the draft's steps, and so
-    does any sampled token under speculative decoding. Where A's kernels do not reproduce
-    A's numbers, the steps run as A ran them: each request alone, with A's rows.
-    """
+    rung: str
+    confirmed: bool | None
+    detail: str = ""
+    forced: dict = field(default_factory=dict)
+    replays: int = 0
+    first: int | None = None
+    by: str | None = None
+
+
+def replay_kind(forced: dict) -> str:
+    """How a forcing replays B (a CONFIRMED_BY name): every forced step run as A ran it
+    (request by request, A's rows) or, where any step runs on A's kernels, A's kernels."""
     from ..core.policy import RelayoutStep, SoloStep
+    from .bisect import BY_REPLAY, BY_REPLAY_SOLO
 
-    def matches(rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
-        return _replay_matches(a, b, replayer, rid, forced, n)
+    return BY_REPLAY_SOLO if forced and all(isinstance(v, (SoloStep, RelayoutStep)) for v in forced.values()) \
+        else BY_REPLAY
 
-    def decision(forced: dict, rid: str, position: int, purpose: str, until: int):
-        """The replay's own draw of (request, position, purpose) with these steps forced."""
-        from ..core.events import Observer
 
-        class Draws(Observer):
-            wants_records = True
+class Case:
+    """One cause of one request to confirm, and what its rungs share: the replayer, what must
+    match (A's tokens up to the flip, or with --bitwise A's logits bit for bit up to the first
+    difference), the suspect steps and the sentences. The rungs reach the engine through
+    `force`, `check`, `decision`, `suspects`, `passes` only (a test can stand in for them)."""
 
-            def __init__(self):
-                self.got = {}
-
-            def on_record(self, table, **c):
-                if table == "draws" and c["request"] == rid and c["position"] == position \
-                        and c["purpose"] == purpose and c["step"] <= until:
-                    self.got = c
-
-        rec = Draws()
-        record = RunRecord(kv_hashes=b.has_kv_hashes)
-        try:
-            replayer.run(b, forced=forced, observers=[rec, record])
-        except ValueError as e:
-            raise _ForcingRefused(str(e)) from e
-        _check_replay(b, record, forced)
-        return rec.got
-
-    def _decides_like(story, got) -> bool:
-        """The replay's draw `got` (its record) decides as A's draw of the story did."""
-        if not got:
-            return False
-        if story.purpose == "accept":
-            return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == story.a.accepted
-        return int(got["token"]) == story.a.token
-
-    def confirm_draw(cause, rd):
-        """A sampler cause: B's plans carry B's own proposals (teacher-forced), so the proof is
-        at the decision itself: with the draft's step run as A ran it, the draw that decided
-        differently (proposal, accept test, residual) decides as it did in A."""
-        story, tok = cause.sampler, rd.first_divergent_token
-        want = story.a
-
-        def same(got) -> bool:
-            return _decides_like(story, got)
-
-        what_a = (("accept" if want.accepted else "reject") + f" token {want.token}" if story.purpose == "accept"
-                  else f"draw token {want.token}")
-        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
-        name = "accept test" if story.purpose == "accept" else f"{story.purpose} draw"
-        goal = f"makes the {name} of {rd.id} at position {story.position} {what_a}, as in {label_a}"
-        if same(decision(forced, rd.id, story.position, story.purpose, tok.step_b)):
-            return True, f"replaying {label_b} with {forcing_words(forced, label_a)} {goal}"
-        from .bisect import draft_step
-
-        da, db = draft_step(a, rd.id, tok.position, tok.step_a), draft_step(b, rd.id, tok.position, tok.step_b)
-        pairs = _suspect_steps(a, b, rd.id, tok.position, da, db, "draft") if da is not None and db is not None else {}
-        pairs[cause.b.step] = cause.a.step
-        if len(pairs) > 1:
-            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
-            forced2[cause.b.step] = forced[cause.b.step]
-            if same(decision(forced2, rd.id, story.position, story.purpose, tok.step_b)):
-                return True, (f"replaying {label_b} with {forcing_words(forced2, label_a)} {goal} (step "
-                              f"{cause.b.step} alone does not: {len(pairs) - 1} other "
-                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
-        return False, (f"replaying {label_b} with {forcing_words(forced, label_a)}: the {story.purpose} draw of "
-                       f"{rd.id} at position {story.position} still decides otherwise than in {label_a}")
-
-    def confirm(cause, rd):
+    def __init__(self, a, b, replayer, cause, rd, label_a: str = "A", label_b: str = "B"):
+        self.a, self.b, self.replayer, self.cause, self.rd = a, b, replayer, cause, rd
+        self.label_a, self.label_b = label_a, label_b
+        self.replays = 0
+        self.by_tried: str | None = None  # how the first replay forced B (for a refused forcing)
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
-        if cause.kind == "sampler" and cause.model != "draft":
-            return None, "a sampler cause with equal logits and no draft involved has no kernel to force"
-        if cause.kind == "sampler" and cause.sampler is not None:
-            return confirm_draw(cause, rd)
-        logits_only = tok is None and num is not None
-        if logits_only:  # tokens equal, logits not (--bitwise): prove it on the bits
-            n, pos, step_a, step_b = num.position - rd.prompt_len + 1, num.position, num.step_a, num.step_b
+        self.tok = tok
+        self.logits_only = tok is None and num is not None
+        if self.logits_only:  # tokens equal, logits not (--bitwise): prove it on the bits
+            self.n, self.pos, self.step_a, self.step_b = num.position - rd.prompt_len + 1, num.position, \
+                num.step_a, num.step_b
         else:
-            n = (tok.generated_index + 1) if tok is not None else rd.compared
-            pos, step_a, step_b = (tok.position, tok.step_a, tok.step_b) if tok else (0, 0, 0)
-        goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}, where they first "
-                f"differed") if logits_only else f"makes {rd.id} match {label_a} up to the divergence"
+            self.n = (tok.generated_index + 1) if tok is not None else rd.compared
+            self.pos, self.step_a, self.step_b = (tok.position, tok.step_a, tok.step_b) if tok else (0, 0, 0)
+        self.goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {self.pos}, where they "
+                     f"first differed") if self.logits_only else f"makes {rd.id} match {label_a} up to the divergence"
+        self.story = cause.sampler if tok is not None else None
+        self.at_draw = self.story is not None and self.story.depends_on_draft  # the flip was the draft's own draw
+        if self.at_draw:
+            self.goal = f"makes {rd.id} match {label_a}"
 
-        story = cause.sampler if tok is not None else None
-        at_draw = story is not None and story.depends_on_draft  # the flip was the draft's own draw
-        if at_draw:
-            goal = f"makes {rd.id} match {label_a}"
+    # -- what the rungs ask of the traces and the engine
+    def force(self, step_a: int, step_b: int, positions=None, layer=None, *, alone: bool = False):
+        return force_like_a(self.a, step_a, self.b, step_b, self.rd.id, positions, layer, alone=alone)
 
-        def check(forced):
-            if at_draw:  # B's plans carry B's proposals: match up to the flip, then the draw itself
-                same, bitwise, first = matches(rd.id, forced, n - 1)
-                decided = same and _decides_like(story, decision(forced, rd.id, story.position, story.purpose,
-                                                                 tok.step_b))
-                exact = (f" up to the flip, and there the {story.purpose} draw decides as in {label_a}"
-                         + (", bit for bit" if bitwise else " (some logits still differ)"))
-                return decided, exact, (first if not same else tok.generated_index)
-            same, bitwise, first = matches(rd.id, forced, n)
-            ok = bitwise if logits_only else same
-            exact = "" if logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")
-            return ok, exact, first
+    def words(self, forced: dict) -> str:
+        return forcing_words(forced, self.label_a)
 
-        forced = {cause.b.step: force_like_a(a, cause.a.step, b, cause.b.step, rd.id, cause.positions, cause.layer)}
-        what = f"replaying {label_b} with {forcing_words(forced, label_a)}"
-        ok, exact, first = check(forced)
-        if ok:
-            return True, f"{what} {goal}{exact}"
+    def where(self, i) -> str:
+        return f"position {self.rd.prompt_len + i}" if self.logits_only else f"generated #{i}"
+
+    def _replayed(self, forced: dict) -> None:
+        self.replays += 1
+        if self.by_tried is None:
+            self.by_tried = replay_kind(forced)
+
+    def matches(self, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+        self._replayed(forced)
+        return _replay_matches(self.a, self.b, self.replayer, self.rd.id, forced, n)
+
+    def decision(self, forced: dict, position: int, purpose: str, until: int) -> dict:
+        """The replay's own draw of (request, position, purpose) with these steps forced."""
+        self._replayed(forced)
+        return _draw_of(self.b, self.replayer, forced, self.rd.id, position, purpose, until)
+
+    def check(self, forced: dict) -> tuple[bool, str, int | None]:
+        """(B replayed with `forced` matches A as it must, the words of how exactly, where it
+        first differs)."""
+        story, tok = self.story, self.tok
+        if self.at_draw:  # B's plans carry B's proposals: match up to the flip, then the draw itself
+            same, bitwise, first = self.matches(forced, self.n - 1)
+            decided = same and _decides_like(story, self.decision(forced, story.position, story.purpose,
+                                                                  tok.step_b))
+            exact = (f" up to the flip, and there the {story.purpose} draw decides as in {self.label_a}"
+                     + (", bit for bit" if bitwise else " (some logits still differ)"))
+            return decided, exact, (first if not same else tok.generated_index)
+        same, bitwise, first = self.matches(forced, self.n)
+        ok = bitwise if self.logits_only else same
+        exact = "" if self.logits_only else (", bit for bit" if bitwise else " (tokens; some logits still differ)")
+        return ok, exact, first
+
+    def suspects(self) -> dict[int, int]:
+        """B step -> A step of every step to force beyond the cause's: the divergent row's, those
+        whose K/V writes it read differently and, for a sampled token, the draft's steps."""
+        if getattr(self, "_pairs", None) is not None:
+            return self._pairs
+        a, b, rd, cause, tok = self.a, self.b, self.rd, self.cause, self.tok
         if cause.model == "draft":
             from .bisect import draft_step
 
-            da, db = draft_step(a, rd.id, pos, step_a), draft_step(b, rd.id, pos, step_b)
-            pairs = _suspect_steps(a, b, rd.id, pos, da, db, "draft") if da is not None and db is not None else {}
-        elif tok is not None or logits_only:
-            pairs = _suspect_steps(a, b, rd.id, pos, step_a, step_b)
+            da, db = draft_step(a, rd.id, self.pos, self.step_a), draft_step(b, rd.id, self.pos, self.step_b)
+            pairs = _suspect_steps(a, b, rd.id, self.pos, da, db, "draft") if da is not None and db is not None \
+                else {}
+        elif tok is not None or self.logits_only:
+            pairs = _suspect_steps(a, b, rd.id, self.pos, self.step_a, self.step_b)
         else:
             pairs = {}
         pairs[cause.b.step] = cause.a.step
@@ -187,53 +171,246 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
             # a sampled token under speculative decoding also hangs on the draft's q: its steps too
             pairs.update({sb: sa for sb, sa in _draft_pairs(a, b, rd.id, tok.step_a, tok.step_b).items()
                           if sb not in pairs})
-        where = (lambda i: f"position {rd.prompt_len + i}") if logits_only else (lambda i: f"generated #{i}")
-        forced2 = forced
-        if len(pairs) > 1:
-            forced2 = {sb: force_like_a(a, sa, b, sb, rd.id) for sb, sa in pairs.items()}
-            forced2[cause.b.step] = forced[cause.b.step]
-            ok2, exact2, first2 = check(forced2)
-            if ok2:
-                return True, (f"replaying {label_b} with {forcing_words(forced2, label_a)} {goal}{exact2} "
-                              f"(step {cause.b.step} alone does not: {len(pairs) - 1} other "
-                              f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)")
-        # A's kernels were not enough (e.g. the engine's own gemm is built of native matmuls
-        # whose rows depend on the row count, as fp32 on OpenBLAS): run the steps as A ran
-        # them, each request alone with A's rows, whatever the kernels
-        if any(not isinstance(v, (SoloStep, RelayoutStep)) for v in forced2.values()):
-            forced3 = {sb: force_like_a(a, sa, b, sb, rd.id, cause.positions if sb == cause.b.step else None,
-                                        cause.layer, alone=True) for sb, sa in pairs.items()}
-            ok3, exact3, _ = check(forced3)
-            if ok3:
-                extra = (f" (step {cause.b.step} alone does not: {len(pairs) - 1} other "
-                         f"{'steps differ' if len(pairs) > 2 else 'step differs'} too)") if len(pairs) > 1 else ""
-                return True, (f"replaying {label_b} with {forcing_words(forced3, label_a)} {goal}{exact3}, where "
-                              f"{label_a}'s kernels alone were not enough{extra}")
-        # the prefill's chunk boundaries differ (B's chunks straddle A's): no step alone has A's
-        # rows; B with the request's whole prompt computed in A's passes, every suspect step alone
-        passes = prefill_as_a(a, b, rd.id, step_b + 1)
-        if passes:
-            from ..core.policy import SOLO
+        self._pairs = pairs
+        return pairs
 
-            forced4 = {**{sb: SOLO for sb in pairs}, **passes}
-            ok4, exact4, _ = check(forced4)
-            if ok4:
-                return True, (f"replaying {label_b} with {forcing_words(forced4, label_a)} {goal}{exact4}, where "
-                              f"{_in_a_passes(rd.id, len(passes), label_a, label_b)})")
-        if len(pairs) > 1:
-            return False, (f"{what}: {rd.id} still differs at {where(first)}; with "
-                           f"{forcing_words(forced2, label_a)} it differs at {where(first2)}")
-        return False, f"{what}: {rd.id} still differs from {label_a} at {where(first)}"
+    def draw_suspects(self) -> dict[int, int]:
+        """A sampler cause's steps to force: the draft steps whose K/V the draw's q read differently."""
+        from .bisect import draft_step
 
-    def confirm_or_refused(cause, rd):
+        a, b, rd, cause, tok = self.a, self.b, self.rd, self.cause, self.rd.first_divergent_token
+        da, db = draft_step(a, rd.id, tok.position, tok.step_a), draft_step(b, rd.id, tok.position, tok.step_b)
+        pairs = _suspect_steps(a, b, rd.id, tok.position, da, db, "draft") if da is not None and db is not None else {}
+        pairs[cause.b.step] = cause.a.step
+        return pairs
+
+    def passes(self) -> dict:
+        """B's steps that compute the request's prompt in A's prefill passes (prefill_as_a)."""
+        return prefill_as_a(self.a, self.b, self.rd.id, self.step_b + 1)
+
+
+def _others(pairs: dict) -> str:
+    n = len(pairs) - 1
+    return f"{n} other {'steps differ' if n > 1 else 'step differs'} too"
+
+
+def rung_kernels(case: Case, tried: list) -> RungResult:
+    """The strong claim: B with only the root-cause step run as A ran it (A's kernels, or
+    request by request where both are `native`)."""
+    c = case.cause
+    forced = {c.b.step: case.force(c.a.step, c.b.step, c.positions, c.layer)}
+    n0 = case.replays
+    ok, exact, first = case.check(forced)
+    what = f"replaying {case.label_b} with {case.words(forced)}"
+    detail = f"{what} {case.goal}{exact}" if ok else \
+        f"{what}: {case.rd.id} still differs from {case.label_a} at {case.where(first)}"
+    return RungResult("kernels", ok, detail, forced, case.replays - n0, first, replay_kind(forced))
+
+
+def rung_suspects(case: Case, tried: list) -> RungResult:
+    """The weaker claim, where other steps differ too: B with every suspect step forced (the
+    cause's as in rung_kernels)."""
+    c, pairs = case.cause, case.suspects()
+    if len(pairs) <= 1:
+        return RungResult("suspects", None, "no other step differs")
+    first_try = _result(tried, "kernels")
+    forced = {sb: case.force(sa, sb) for sb, sa in pairs.items()}
+    forced[c.b.step] = first_try.forced[c.b.step]
+    n0 = case.replays
+    ok, exact, first = case.check(forced)
+    if ok:
+        detail = (f"replaying {case.label_b} with {case.words(forced)} {case.goal}{exact} (step {c.b.step} alone "
+                  f"does not: {_others(pairs)})")
+    else:
+        detail = (f"replaying {case.label_b} with {case.words(first_try.forced)}: {case.rd.id} still differs at "
+                  f"{case.where(first_try.first)}; with {case.words(forced)} it differs at {case.where(first)}")
+    return RungResult("suspects", ok, detail, forced, case.replays - n0, first, replay_kind(forced))
+
+
+def rung_solo(case: Case, tried: list) -> RungResult:
+    """A's kernels were not enough (e.g. the engine's own gemm is built of native matmuls
+    whose rows depend on the row count, as fp32 on OpenBLAS): the suspect steps run as A ran
+    them, each request alone with A's rows, whatever the kernels."""
+    from ..core.policy import RelayoutStep, SoloStep
+    from .bisect import BY_REPLAY_SOLO
+
+    c, pairs = case.cause, case.suspects()
+    last = _last_forcing(tried)
+    if not any(not isinstance(v, (SoloStep, RelayoutStep)) for v in last.values()):
+        return RungResult("solo", None, "the steps already ran as A ran them")
+    forced = {sb: case.force(sa, sb, c.positions if sb == c.b.step else None, c.layer, alone=True)
+              for sb, sa in pairs.items()}
+    n0 = case.replays
+    ok, exact, first = case.check(forced)
+    extra = f" (step {c.b.step} alone does not: {_others(pairs)})" if len(pairs) > 1 else ""
+    what = f"replaying {case.label_b} with {case.words(forced)}"
+    detail = (f"{what} {case.goal}{exact}, where {case.label_a}'s kernels alone were not enough{extra}" if ok else
+              f"{what}: {case.rd.id} still differs from {case.label_a} at {case.where(first)}")
+    return RungResult("solo", ok, detail, forced, case.replays - n0, first, BY_REPLAY_SOLO)
+
+
+def rung_prefill(case: Case, tried: list) -> RungResult:
+    """The prefill's chunk boundaries differ (B's chunks straddle A's): no step alone has A's
+    rows; B with the request's whole prompt computed in A's passes, every suspect step alone."""
+    from ..core.policy import SOLO
+    from .bisect import BY_REPLAY_PREFILL
+
+    passes = case.passes()
+    if not passes:
+        return RungResult("prefill", None, "the prompt was computed in A's passes already")
+    forced = {**{sb: SOLO for sb in case.suspects()}, **passes}
+    n0 = case.replays
+    ok, exact, first = case.check(forced)
+    what = f"replaying {case.label_b} with {case.words(forced)}"
+    detail = (f"{what} {case.goal}{exact}, where {_in_a_passes(case.rd.id, len(passes), case.label_a, case.label_b)})"
+              if ok else f"{what}: {case.rd.id} still differs from {case.label_a} at {case.where(first)}")
+    return RungResult("prefill", ok, detail, forced, case.replays - n0, first, BY_REPLAY_PREFILL)
+
+
+def _draw_words(case: Case) -> tuple[str, str]:
+    story = case.cause.sampler
+    want = story.a
+    what_a = (("accept" if want.accepted else "reject") + f" token {want.token}" if story.purpose == "accept"
+              else f"draw token {want.token}")
+    name = "accept test" if story.purpose == "accept" else f"{story.purpose} draw"
+    return name, f"makes the {name} of {case.rd.id} at position {story.position} {what_a}, as in {case.label_a}"
+
+
+def rung_draw(case: Case, tried: list) -> RungResult:
+    """A sampler cause: B's plans carry B's own proposals (teacher-forced), so the proof is at
+    the decision itself: with the draft's step run as A ran it, the draw that decided
+    differently (proposal, accept test, residual) decides as it did in A."""
+    c, story, tok = case.cause, case.cause.sampler, case.rd.first_divergent_token
+    forced = {c.b.step: case.force(c.a.step, c.b.step, c.positions, c.layer)}
+    n0 = case.replays
+    ok = _decides_like(story, case.decision(forced, story.position, story.purpose, tok.step_b))
+    _, goal = _draw_words(case)
+    detail = (f"replaying {case.label_b} with {case.words(forced)} {goal}" if ok else
+              f"replaying {case.label_b} with {case.words(forced)}: the {story.purpose} draw of {case.rd.id} at "
+              f"position {story.position} still decides otherwise than in {case.label_a}")
+    return RungResult("draw", ok, detail, forced, case.replays - n0, None, replay_kind(forced))
+
+
+def rung_draw_suspects(case: Case, tried: list) -> RungResult:
+    """The draw again, with every draft step whose K/V its q read differently forced too."""
+    c, story, tok = case.cause, case.cause.sampler, case.rd.first_divergent_token
+    pairs = case.draw_suspects()
+    if len(pairs) <= 1:
+        return RungResult("draw_suspects", None, "no other draft step differs")
+    forced = {sb: case.force(sa, sb) for sb, sa in pairs.items()}
+    forced[c.b.step] = _result(tried, "draw").forced[c.b.step]
+    n0 = case.replays
+    ok = _decides_like(story, case.decision(forced, story.position, story.purpose, tok.step_b))
+    _, goal = _draw_words(case)
+    detail = (f"replaying {case.label_b} with {case.words(forced)} {goal} (step {c.b.step} alone does not: "
+              f"{_others(pairs)})" if ok else
+              f"replaying {case.label_b} with {case.words(forced)}: the {story.purpose} draw of {case.rd.id} at "
+              f"position {story.position} still decides otherwise than in {case.label_a}")
+    return RungResult("draw_suspects", ok, detail, forced, case.replays - n0, None, replay_kind(forced))
+
+
+RUNGS = (rung_kernels, rung_suspects, rung_solo, rung_prefill)  # in order: the first that confirms wins
+DRAW_RUNGS = (rung_draw, rung_draw_suspects)
+
+
+def _result(tried: list, rung: str) -> RungResult | None:
+    return next((r for r in tried if r.rung == rung), None)
+
+
+def _last_forcing(tried: list) -> dict:
+    """The forcing of the latest rung that applied."""
+    return next(r.forced for r in reversed(tried) if r.confirmed is not None)
+
+
+def climb(case: Case, rungs) -> tuple[RungResult | None, list]:
+    """Try the rungs in order: (the first that confirmed or None, every result)."""
+    tried: list = []
+    for rung in rungs:
+        got = rung(case, tried)
+        tried.append(got)
+        if got.confirmed:
+            return got, tried
+    return None, tried
+
+
+def unconfirmed(tried: list) -> RungResult:
+    """The result that says why no rung confirmed: the draw's, else the suspect steps' (it
+    names the cause step's forcing too), else the cause step's. The later fallbacks (each
+    request alone, A's prefill passes) failing adds nothing to that sentence."""
+    for name in ("draw", "suspects", "kernels"):
+        got = _result(tried, name)
+        if got is not None and got.confirmed is False:
+            return got
+    return tried[0]
+
+
+def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces; it sets
+    cause.confirmed_by (how the replay forced B) where a replay ran.
+
+    What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
+    A's logits bit for bit up to the first position where they differed. The rungs, in
+    order (RUNGS): the cause step run as A ran it (rung_kernels); every suspect step forced
+    (rung_suspects); those steps each request alone with A's rows (rung_solo); the prompt
+    in A's prefill passes (rung_prefill). A sampler cause (the draft's q) is proved at the
+    draw (DRAW_RUNGS); any sampled token under speculative decoding forces the draft's steps.
+    """
+
+    def confirm(cause, rd):
+        if cause.kind == "sampler" and cause.model != "draft":
+            return None, "a sampler cause with equal logits and no draft involved has no kernel to force", None
+        case = Case(a, b, replayer, cause, rd, label_a, label_b)
         try:
-            return confirm(cause, rd)
+            got, tried = climb(case, DRAW_RUNGS if cause.kind == "sampler" and cause.sampler is not None else RUNGS)
         except _ForcingRefused as e:
-            return False, f"the replay refused a forcing it needed ({e})"
+            return False, f"the replay refused a forcing it needed ({e})", case.by_tried
         except NotARerun as e:
-            return False, f"not a valid re-run of {label_b}: {e}"
+            return False, f"not a valid re-run of {label_b}: {e}", case.by_tried
+        if got is None:
+            got = unconfirmed(tried)
+        return got.confirmed, got.detail, got.by
 
-    return confirm_or_refused
+    def confirm_and_say_how(cause, rd):
+        ok, detail, by = confirm(cause, rd)
+        cause.confirmed_by = by if ok is not None else None
+        return ok, detail
+
+    return confirm_and_say_how
+
+
+def _draw_of(b, replayer, forced: dict, rid: str, position: int, purpose: str, until: int) -> dict:
+    """B replayed with `forced` (checked to be a re-run of B): its draw of (request, position,
+    purpose) up to step `until`, as recorded, or {}."""
+    from ..core.events import Observer
+
+    class Draws(Observer):
+        wants_records = True
+
+        def __init__(self):
+            self.got = {}
+
+        def on_record(self, table, **c):
+            if table == "draws" and c["request"] == rid and c["position"] == position \
+                    and c["purpose"] == purpose and c["step"] <= until:
+                self.got = c
+
+    rec = Draws()
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        replayer.run(b, forced=forced, observers=[rec, record])
+    except ValueError as e:
+        raise _ForcingRefused(str(e)) from e
+    _check_replay(b, record, forced)
+    return rec.got
+
+
+def _decides_like(story, got) -> bool:
+    """The replay's draw `got` (its record) decides as A's draw of the story did."""
+    if not got:
+        return False
+    if story.purpose == "accept":
+        return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == story.a.accepted
+    return int(got["token"]) == story.a.token
 
 
 class _ForcingRefused(Exception):
@@ -304,7 +481,8 @@ def _in_a_passes(rid: str, n: int, label_a: str, label_b: str) -> str:
 
 def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):
     """For traces recorded without KV hashes: binary search over B's steps. Returns
-    bisect_one(request_diff) -> (cause or None, replays, why none was found or None).
+    bisect_one(request_diff) -> ReplayBisection (analysis.bisect): the cause or None, the
+    replays run, why none was found or None.
 
     f(m) = "replaying B with its target steps < m (those holding the request) run on
     the kernels of A's step that computed the same positions makes the request match
@@ -312,7 +490,8 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
     to be forced: O(log steps) replays, each one a proof rather than a correlation.
     """
     from ..core.policy import SOLO
-    from .bisect import CACHE_CONTAMINATION, STEP_COMPUTE, RootCause, co_batched, finished_before, step_views
+    from .bisect import (BY_REPLAY_PREFILL, CACHE_CONTAMINATION, STEP_COMPUTE, ReplayBisection, RootCause, co_batched,
+                         finished_before, step_views)
 
     def a_step_for(rid: str, until: int) -> dict[int, int]:
         """position -> A's target step that last computed it (up to `until`)."""
@@ -330,9 +509,9 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
         try:
             return search(rd)
         except _ForcingRefused as e:
-            return None, 0, f"not found by replay: the replay refused a forcing it needed ({e})"
+            return ReplayBisection(None, 0, f"not found by replay: the replay refused a forcing it needed ({e})")
         except NotARerun as e:
-            return None, 0, f"not found by replay: a replay was not a valid re-run of {label_b}: {e}"
+            return ReplayBisection(None, 0, f"not found by replay: a replay was not a valid re-run of {label_b}: {e}")
 
     def search(rd):
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
@@ -342,24 +521,27 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             n, pos, until_a, until_b, bitwise = num.position - rd.prompt_len + 1, num.position, num.step_a, \
                 num.step_b, True
         else:
-            return None, 0, None
+            return ReplayBisection(None, 0, None)
         a_of = a_step_for(rd.id, until_a)
         b_steps = [(p.index, s.start) for p in b.iter_plans() if p.model == "target" and p.index <= until_b
                    for s in p.slices if s.request_id == rd.id and s.start in a_of]
         replays = 0
 
-        def found(kind: str, step_a: int, step_b: int, who: str, detail: str):
+        def found(kind: str, step_a: int, step_b: int, who: str, detail: str, by: str):
             """The confirmed cause: `who`'s slice of B's step_b, against A's step_a."""
             va, vb, op = step_views(a, b, step_a, step_b)
             sl = next(s for s in b.step_plan(step_b).slices if s.request_id == who)
             co = co_batched(b, step_b, who)
             cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
                               finished_before(b, co, until_b), op=op)
-            cause.confirmed, cause.confirm_detail = True, detail
-            return cause, replays, None
+            cause.confirmed, cause.confirm_detail, cause.confirmed_by = True, detail, by
+            return ReplayBisection(cause, replays, None)
 
-        def fixed(k: int) -> bool:  # force the first k of b_steps
-            return matches({sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]})
+        def forcing(k: int) -> dict:  # the first k of b_steps, each as A's step of the same positions
+            return {sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]}
+
+        def fixed(k: int) -> bool:
+            return matches(forcing(k))
 
         def matches(forced: dict) -> bool:
             nonlocal replays
@@ -368,7 +550,8 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             return exact if bitwise else same
 
         if not b_steps:
-            return None, replays, f"no step of {label_b} up to {until_b} computed positions {label_a} computed too"
+            return ReplayBisection(None, replays,
+                                   f"no step of {label_b} up to {until_b} computed positions {label_a} computed too")
         goal = (f"makes {rd.id}'s logits equal {label_a}'s bit for bit up to position {pos}" if bitwise
                 else f"makes {rd.id} match {label_a} up to the divergence")
         if not fixed(len(b_steps)):
@@ -379,10 +562,11 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
                 first = passes[step_b]
                 return found(CACHE_CONTAMINATION, a_of.get(first.start, a_of[min(a_of)]), step_b, first.request_id,
                              f"replaying {label_b} with {forcing_words(passes, label_a)} {goal}, where "
-                             f"{_in_a_passes(rd.id, len(passes), label_a, label_b)}; {replays} replays)")
-            return None, replays, (f"not found by replay: {rd.id}'s {len(b_steps)} steps up to {until_b}, every one "
-                                   f"run as in {label_a}, still do not make it match (record KV hashes for a "
-                                   f"bisection by the cache)")
+                             f"{_in_a_passes(rd.id, len(passes), label_a, label_b)}; {replays} replays)",
+                             BY_REPLAY_PREFILL)
+            return ReplayBisection(None, replays, (
+                f"not found by replay: {rd.id}'s {len(b_steps)} steps up to {until_b}, every one run as in "
+                f"{label_a}, still do not make it match (record KV hashes for a bisection by the cache)"))
         lo, hi = 0, len(b_steps)  # fixed(hi) holds; find the smallest such k
         while lo < hi:
             mid = (lo + hi) // 2
@@ -391,11 +575,12 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             else:
                 lo = mid + 1
         if lo == 0:
-            return None, replays, f"not found by replay: {label_b} replayed with nothing forced already matches"
+            return ReplayBisection(None, replays,
+                                   f"not found by replay: {label_b} replayed with nothing forced already matches")
         step_b, start = b_steps[lo - 1]
         return found(STEP_COMPUTE if step_b == until_b else CACHE_CONTAMINATION, a_of[start], step_b, rd.id,
                      f"replaying {label_b} with its steps up to {step_b} run as in {label_a} {goal}, and without "
-                     f"step {step_b} it does not ({replays} replays)")
+                     f"step {step_b} it does not ({replays} replays)", replay_kind(forcing(lo)))
 
     return bisect_one
 

@@ -72,9 +72,10 @@ def asked_of(used: set, cause, force: str):
 
 def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str = "B", *,
                            workdir=None, timeout: float | None = None, keep: bool = False):
-    """confirm(cause, request_diff) -> (confirmed, detail), for bisect_traces(replayer=...).
-    The re-runs go to workdir, else to a temporary directory removed with the confirmer
-    (when bisect is done with it) unless keep; `confirm.close()` removes it at once."""
+    """confirm(cause, request_diff) -> (confirmed, detail), for bisect_traces(replayer=...); it
+    sets cause.confirmed_by to BY_COMMAND where it ran the command. The re-runs go to
+    workdir, else to a temporary directory removed with the confirmer (when bisect is done
+    with it) unless keep; `confirm.close()` removes it at once."""
     check_template(template)
     used = set(_FIELD.findall(template))
     scratch = None
@@ -115,6 +116,13 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
         return out, values["force"]
 
     def confirm(cause, rd):
+        from .bisect import BY_COMMAND
+
+        got = rerun_confirm(cause, rd)
+        cause.confirmed_by = BY_COMMAND if got[0] is not None else None
+        return got
+
+    def rerun_confirm(cause, rd):
         from ..trace.reader import Trace
         from .rerun_check import check_rerun
 

@@ -92,6 +92,13 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
     cause_fields: list = []
 
     def confirm(cause, rd):
+        from .bisect import BY_ENVIRONMENT
+
+        got = env_confirm(cause, rd)
+        cause.confirmed_by = BY_ENVIRONMENT if got[0] is not None else None
+        return got
+
+    def env_confirm(cause, rd):
         if not cause_fields and cause.env_diff:
             cause_fields.extend(cause.env_diff)
         got = replayed()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import DivergenceInputError
-from .bisect import ENVIRONMENT, BisectReport, bisect_traces
+from .bisect import BY_REPLAY_UNSHARDED, ENVIRONMENT, BisectReport, bisect_traces
 from .diff import pair_labels
 
 
@@ -81,7 +81,7 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
         if a.tp_degree != b.tp_degree:  # TP=1 vs TP=N: proven by replaying the TP side unsharded
             from .tp import make_tp_confirmer
 
-            confirmer = make_tp_confirmer(a, b, replayer, *labels)
+            confirmer = _confirmed_by(make_tp_confirmer(a, b, replayer, *labels), BY_REPLAY_UNSHARDED)
         if opts.confirm:
             confirmer = _with_environment(a, b, confirmer, opts, labels, closers)
         bisector = make_replay_bisector(a, b, replayer, *labels)
@@ -93,6 +93,16 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
     finally:
         for close in closers:
             close()
+
+
+def _confirmed_by(confirmer, name: str):
+    """The confirmer, setting cause.confirmed_by to `name` where it ran (a result not None)."""
+    def confirm(cause, rd):
+        got = confirmer(cause, rd)
+        cause.confirmed_by = name if got[0] is not None else None
+        return got
+
+    return confirm
 
 
 def _with_environment(a, b, confirmer, opts: AnalysisOptions, labels, closers):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..core.labels import composition_text, span_text
-from .bisect import CACHE_CONTAMINATION, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, RootCause, StepView
+from .bisect import (CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, RootCause,
+                     StepView)
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 
 KIND_TEXT = {CACHE_CONTAMINATION: "cache contamination", STEP_COMPUTE: "step compute", SAMPLER: "sampler",
@@ -30,8 +31,20 @@ def _logits_differ(r: RequestDiff) -> str:
     return f"logits differ from position {n.position} (max |Δlogit| {n.max_abs_delta_before_flip:.3g})"
 
 
+def confirm_hint(d: DiffReport, foreign: bool | None = None) -> str:
+    """The command that would confirm a lead of this pair: this engine's traces replay
+    (--confirm); another engine's re-run through that engine (--confirm-cmd). foreign None:
+    not known here, so both, each with the traces it works on."""
+    cmd = f"divergence bisect {d.path_a} {d.path_b}"
+    if foreign:
+        return f"{cmd} --confirm-cmd CMD (re-runs B through the engine that recorded it, the step changed)"
+    if foreign is False:
+        return f"{cmd} --confirm"
+    return f"{cmd} --confirm (traces of this engine) or --confirm-cmd CMD (another engine's)"
+
+
 def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
-                  confirm_requested: bool = False, not_found: str | None = None) -> list[str]:
+                  confirm_requested: bool = False, not_found: str | None = None, hint: str | None = None) -> list[str]:
     if r.status == MISSING:
         return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
     tokens = f"{r.compared} token{'s' if r.compared != 1 else ''}"
@@ -64,7 +77,7 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
             lines.append(f"    first numeric difference at position {n.position}{ahead}, "
                          f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
     if cause is not None:
-        lines += cause_lines(r, cause, label_a, label_b, confirm_requested)
+        lines += cause_lines(r, cause, label_a, label_b, confirm_requested, hint)
     elif not_found:
         lines.append(f"    root cause: {not_found}")
     if r.truncated:
@@ -119,7 +132,8 @@ def tp_lines(c: RootCause) -> list[str]:
     return lines
 
 
-def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool) -> list[str]:
+def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool,
+                hint: str | None = None) -> list[str]:
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
     if c.kind == CACHE_CONTAMINATION:
@@ -166,13 +180,18 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     out += tp_lines(c)
     for rid, step in sorted(c.finished_before_divergence.items()):
         out.append(f"      {rid} finished at step {step}, before the divergence")
-    if confirm_requested:
+    how = CONFIRMED_BY.get(c.confirmed_by, c.confirmed_by) if c.confirmed_by else None
+    if confirm_requested and c.confirmed is not None:
         if c.confirmed:
             out.append(f"    confirmed: {c.confirm_detail}")
-        elif c.confirmed is False:
-            out.append(f"    NOT confirmed: {c.confirm_detail}")
         else:
-            out.append(f"    not confirmed ({c.confirm_detail or 'no replay'})")
+            out.append(f"    NOT confirmed: {c.confirm_detail}")
+        if how:
+            out.append(f"      {'confirmed by' if c.confirmed else 'tried'}: {how}")
+    elif confirm_requested:
+        out.append(f"    not confirmed ({c.confirm_detail or 'no replay'}): a lead only")
+    else:  # (no "confirmed" here: a report that asked for no confirmation does not speak of one)
+        out.append("    a lead only, not proved by a re-run" + (f"; to prove it: {hint}" if hint else ""))
     return out
 
 
@@ -201,8 +220,11 @@ def render_diff(d: DiffReport, vocab=None) -> str:
     return "\n".join(lines)
 
 
-def render_bisect(b: BisectReport, vocab=None) -> str:
+def render_bisect(b: BisectReport, vocab=None, *, foreign: bool | None = None) -> str:
+    """foreign: the traces are another engine's (the hint to confirm a lead is then
+    --confirm-cmd); None where the caller does not say (the hint names both)."""
     d = b.diff
+    hint = confirm_hint(d, foreign)
     lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
     if b.mode != "kv-hashes":
         lines.append(f"note: bisect mode: {b.mode}")
@@ -210,7 +232,7 @@ def render_bisect(b: BisectReport, vocab=None) -> str:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
         lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested,
-                               b.unexplained.get(r.id))
+                               b.unexplained.get(r.id), hint)
     groups = [(k, v) for k, v in b.groups().items() if len(v) > 1]
     for (kind, step), ids in groups:
         lines.append(f"shared root cause: {', '.join(sorted(ids))} trace back to the same {d.label_b} step {step}")

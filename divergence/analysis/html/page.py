@@ -11,7 +11,8 @@ import html
 from pathlib import Path
 
 from ...core.labels import span_text
-from ..report import request_lines
+from ..bisect import BY_COMMAND, BY_ENVIRONMENT, CONFIRMED_BY
+from ..report import confirm_hint, request_lines
 from . import data as D
 from . import plots
 
@@ -110,6 +111,10 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
     out = ["<h2 id=root-cause>Root cause</h2>"]
     by_id = {r.id: r for r in d.requests}
     any_cause = False
+    from ..pipeline import foreign
+
+    other_engine = foreign(a, b)
+    hint = confirm_hint(d, other_engine)
     for r in j.get("requests", []):
         if r.get("status") == "identical":
             continue
@@ -117,14 +122,14 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
         cause_obj = report.causes.get(r["id"]) if hasattr(report, "causes") else None
         lines = request_lines(rd, d.label_a, d.label_b, vocab, cause_obj,
                               getattr(report, "confirm_requested", False),
-                              getattr(report, "unexplained", {}).get(r["id"])) if rd is not None else []
+                              getattr(report, "unexplained", {}).get(r["id"]), hint) if rd is not None else []
         rc = r.get("root_cause") or {}
         any_cause = any_cause or bool(rc)
         out.append(f"<div class='card bad' id='cause-{esc(r['id'])}'><h3>{esc(r['id'])}: {esc(_headline(rc, d.label_b))}"
                    "</h3>")
         out.append(f"<pre class=root-cause>{esc(chr(10).join(lines))}</pre>")
         if rc:
-            out.append(_confirm(r, rc, d.label_a, d.label_b))
+            out.append(_confirm(r, rc, d.label_a, d.label_b, hint, other_engine))
             out.append(_kernel_table(rc, d.label_a, d.label_b))
             out.append(_more(rc))
         out.append("</div>")
@@ -163,16 +168,25 @@ def _headline(rc: dict, lb: str) -> str:
     return ", ".join(bits)
 
 
-def _confirm(r: dict, rc: dict, la: str, lb: str) -> str:
+# the badge's "by ...", per RootCause.confirmed_by (analysis.bisect.CONFIRMED_BY); the replays' default
+BADGE_BY = {BY_COMMAND: "your command (--confirm-cmd)", BY_ENVIRONMENT: "replay under A's environment"}
+
+
+def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: bool = False) -> str:
     confirmed = r.get("confirmed")
     detail = rc.get("confirm_detail") or ""
     step_b = rc.get("step_b")
+    by = rc.get("confirmed_by")
+    badge = BADGE_BY.get(by, "replay")
     if confirmed is True:
-        head = "<span class='confirm yes'>confirmed by replay</span>"
+        head = f"<span class='confirm yes'>confirmed by {esc(badge)}</span>"
     elif confirmed is False:
-        head = "<span class='confirm no'>NOT confirmed by replay</span>"
+        head = f"<span class='confirm no'>NOT confirmed by {esc(badge)}</span>"
+    elif other_engine:  # --confirm refuses another engine's traces: its own engine re-runs them
+        head = ("<span class=note>not confirmed (run with --confirm-cmd CMD to re-run it through the engine that "
+                "recorded it): a lead only</span>")
     else:
-        head = "<span class=note>not confirmed (run with --confirm to replay it)</span>"
+        head = "<span class=note>not confirmed (run with --confirm to replay it): a lead only</span>"
     forced = rc.get("forced")  # newer reports may name exactly what the replay forced
     if forced:
         what = "; ".join(f"step {k}: {v}" for k, v in (forced.items() if isinstance(forced, dict) else
@@ -182,15 +196,19 @@ def _confirm(r: dict, rc: dict, la: str, lb: str) -> str:
     else:
         what = ""
     body = f"<div>{head}{': ' + esc(detail) if detail else ''}</div>"
-    if what and confirmed is not None:
+    if by and confirmed is not None:
+        body += f"<div class=note>how: {esc(CONFIRMED_BY.get(by, by))}</div>"
+    if what and confirmed is not None and by not in (BY_COMMAND, BY_ENVIRONMENT):
         body += f"<div class=note>the replay forced: {esc(what)}</div>"
+    elif confirmed is None and hint:
+        body += f"<div class=note>to confirm it: {esc(hint)}</div>"
     return f"<div class=confirm-box>{body}</div>"
 
 
 # root_cause keys the page shows in its own way; any other (added by later analyses) is listed as is
 SHOWN_KEYS = {"kind", "layer", "positions", "op", "step_a", "step_b", "rows_a", "rows_b", "kernel_a", "kernel_b",
               "co_batched_b", "composition_a", "composition_b", "kernels_a", "kernels_b",
-              "finished_before_divergence", "confirm_detail", "forced"}
+              "finished_before_divergence", "confirm_detail", "confirmed_by", "forced"}
 
 
 def _num(v) -> str:
