@@ -114,3 +114,13 @@ def test_the_demo_pair_is_confirmed_by_this_engines_replay_with_as_kernels(demo,
     html = page.read_text()
     assert "<span class='confirm yes'>confirmed by replay</span>" in html
     assert "how: this engine&#x27;s replay of B with the step&#x27;s kernels forced to A&#x27;s (--confirm)" in html
+
+
+def test_a_confirmation_asked_for_that_could_not_run_is_not_told_to_run_it(tmp_path):
+    pa, pb = story.write_pair(tmp_path)
+    with Trace.open(pa) as a, Trace.open(pb) as b:
+        rep = bisect_traces(a, b, confirm=True, replayer=lambda cause, rd: (None, "nothing to force"))
+        html, text = render_html(rep, a, b), render_bisect(rep, foreign=False)
+    assert "<span class=note>not confirmed, a lead only</span>: nothing to force" in html
+    assert "run with --confirm" not in html and "to confirm it:" not in html
+    assert "    not confirmed (nothing to force): a lead only" in text

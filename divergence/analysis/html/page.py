@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 
 from ...core.labels import span_text
-from ..bisect import BY_COMMAND, BY_ENVIRONMENT, CONFIRMED_BY
+from ..bisect import BY_COMMAND, BY_ENVIRONMENT, BY_REPLAY, CONFIRMED_BY
 from ..report import confirm_hint, request_lines
 from . import data as D
 from . import plots
@@ -129,7 +129,8 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
                    "</h3>")
         out.append(f"<pre class=root-cause>{esc(chr(10).join(lines))}</pre>")
         if rc:
-            out.append(_confirm(r, rc, d.label_a, d.label_b, hint, other_engine))
+            out.append(_confirm(r, rc, d.label_a, d.label_b, hint, other_engine,
+                                getattr(report, "confirm_requested", False)))
             out.append(_kernel_table(rc, d.label_a, d.label_b))
             out.append(_more(rc))
         out.append("</div>")
@@ -172,7 +173,10 @@ def _headline(rc: dict, lb: str) -> str:
 BADGE_BY = {BY_COMMAND: "your command (--confirm-cmd)", BY_ENVIRONMENT: "replay under A's environment"}
 
 
-def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: bool = False) -> str:
+def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: bool = False,
+             asked: bool = False) -> str:
+    """The confirmation's badge: confirmed or not, by what (RootCause.confirmed_by), and for a
+    lead nobody tried to confirm, the command that would (asked: a confirmation was asked for)."""
     confirmed = r.get("confirmed")
     detail = rc.get("confirm_detail") or ""
     step_b = rc.get("step_b")
@@ -182,6 +186,9 @@ def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: 
         head = f"<span class='confirm yes'>confirmed by {esc(badge)}</span>"
     elif confirmed is False:
         head = f"<span class='confirm no'>NOT confirmed by {esc(badge)}</span>"
+    elif asked:  # asked, but nothing could be forced or re-run for it (the detail says why)
+        head = "<span class=note>not confirmed, a lead only</span>"
+        hint = ""
     elif other_engine:  # --confirm refuses another engine's traces: its own engine re-runs them
         head = ("<span class=note>not confirmed (run with --confirm-cmd CMD to re-run it through the engine that "
                 "recorded it): a lead only</span>")
@@ -198,7 +205,7 @@ def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: 
     body = f"<div>{head}{': ' + esc(detail) if detail else ''}</div>"
     if by and confirmed is not None:
         body += f"<div class=note>how: {esc(CONFIRMED_BY.get(by, by))}</div>"
-    if what and confirmed is not None and by not in (BY_COMMAND, BY_ENVIRONMENT):
+    if what and confirmed is not None and by in (None, BY_REPLAY):  # (another way: the detail says what ran)
         body += f"<div class=note>the replay forced: {esc(what)}</div>"
     elif confirmed is None and hint:
         body += f"<div class=note>to confirm it: {esc(hint)}</div>"
