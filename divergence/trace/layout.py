@@ -95,7 +95,9 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
     writer encodes into (schema.record_dtype at `widths`): (file, tables, commit).
     Made under a temporary name and renamed once in SWMR mode, so that a reader never
     opens it half made (HDF5 refuses that file with a lock error)."""
-    tmp = path.with_name(path.name + ".new")
+    from ..core.atomic import temp_name
+
+    tmp = temp_name(path, "new")  # unique: two writers of one path never share it
     f = h5py.File(tmp, "w", libver="latest")
     try:
         f.attrs["format"] = S.FORMAT

@@ -56,7 +56,7 @@ def _open(p: Path) -> tuple[h5py.File, bool]:
     except TraceError:
         raise
     except (OSError, ValueError) as e:
-        raise TraceError(f"cannot read {p}: corrupt HDF5 ({e})") from None
+        raise TraceError(f"cannot read {p}: corrupt HDF5 ({' '.join(str(e).split())})") from None  # one line
 
 
 def check(p: Path, f: h5py.File) -> None:

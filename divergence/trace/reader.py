@@ -126,7 +126,13 @@ class Trace:
 
     @property
     def _attrs(self) -> dict:
-        return self._once("attrs", lambda: dict(self.f.attrs))
+        return self._once("attrs", self._read_attrs)
+
+    def _read_attrs(self) -> dict:
+        try:
+            return dict(self.f.attrs)
+        except Exception as e:  # noqa: BLE001  (HDF5: a damaged attribute heap)
+            raise validate.damaged(self.path, f"its attributes cannot be read ({e})") from None
 
     def codes(self, key: str) -> tuple[str, ...]:
         """A code table as this file stored it (e.g. 'ops'); schema's own where the file has none."""
@@ -160,6 +166,8 @@ class Trace:
                 raise validate.damaged(self.path, f"/meta has no attribute {k!r}") from None
             except (TypeError, ValueError) as e:
                 raise validate.damaged(self.path, f"/meta attribute {k!r} is not JSON ({e})") from None
+            except OSError as e:  # HDF5: a damaged attribute heap
+                raise validate.damaged(self.path, f"/meta attribute {k!r} cannot be read ({e})") from None
         if not isinstance(out["settings"], dict):
             raise validate.damaged(self.path, "/meta attribute 'settings' is not a JSON object")
         for k in ("schedule", "policy", "created", "top_k"):
@@ -225,8 +233,11 @@ class Trace:
     def _vocab(self) -> list[str] | None:
         if S.VOCAB not in self.f:
             return None
-        g = self.f[S.VOCAB]
-        raw, off = g["bytes"][()].tobytes(), g["offsets"][()]
+        try:
+            g = self.f[S.VOCAB]
+            raw, off = g["bytes"][()].tobytes(), g["offsets"][()]
+        except Exception as e:  # noqa: BLE001
+            raise validate.damaged(self.path, f"/vocab cannot be read ({e})") from None
         return [raw[off[i]: off[i + 1]].decode("utf-8", "replace") for i in range(len(off) - 1)]
 
     # -- tables --------------------------------------------------------------------------
@@ -277,7 +288,7 @@ class Trace:
                 return self
             self._cache["checked"] = True  # (reading the tokens below comes back here)
             try:
-                self.requests, self.meta
+                self.requests, self.meta, self.vocab
                 for name in S.TABLES:
                     self.table(name, raw=True)
             except BaseException:
