@@ -24,7 +24,14 @@ CANDIDATES = (
     "/usr/lib64/libopenblas.so.0",
 )
 
-_state = {"blas": None, "lib": None}
+_state = {"blas": None, "lib": None, "problem": None}
+
+
+def blas_problem() -> str | None:
+    """What is wrong with DIVERGENCE_BLAS, on one line (None: nothing). Importing this module
+    never raises: `divergence run` checks this and refuses the value (exit 2)."""
+    blas_in_use()
+    return _state["problem"]
 
 
 def _load() -> str:
@@ -33,6 +40,9 @@ def _load() -> str:
     choice = os.environ.get(ENV, "").strip()
     if choice.lower() in REFERENCE_WORDS:
         return "reference BLAS bundled with MLX (optimized BLAS turned off)"
+    if choice and not os.path.isfile(choice):
+        _state["problem"] = (f"{ENV}={choice!r} is neither {' / '.join(REFERENCE_WORDS)} nor the path of a BLAS "
+                             f"library (no such file)")
     if "mlx.core" in sys.modules:
         return "reference BLAS bundled with MLX (mlx was imported before divergence)"
     paths = (choice,) if choice else CANDIDATES
@@ -40,7 +50,9 @@ def _load() -> str:
         if os.path.exists(path):
             try:
                 lib = ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
-            except OSError:
+            except OSError as e:
+                if choice:
+                    _state["problem"] = f"{ENV}={choice!r} cannot be loaded: {' '.join(str(e).split())}"
                 continue
             if hasattr(lib, "openblas_get_num_threads") and hasattr(lib, "openblas_set_num_threads"):
                 _state["lib"] = lib

@@ -56,6 +56,11 @@ def main(args) -> int:
     from .tp_cli import is_writer, tp_degree
     from ..trace.reader import Trace
 
+    from ..blas import blas_problem
+    from ..errors import DivergenceInputError
+
+    if blas_problem():  # DIVERGENCE_BLAS names nothing loadable: say so, don't run on another BLAS
+        raise DivergenceInputError(blas_problem())
     demo = args.model is None
     schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
     for s in schedules:
