@@ -84,6 +84,12 @@ class Engine:
         self.overlap = overlap
         self._target_fwd = PackedForward(target)
         self._draft_fwd = PackedForward(self.draft) if self.draft else None
+        if self._draft_fwd is not None and self._draft_fwd.head.n != self._target_fwd.head.n:
+            from ..errors import ModelLoadError  # the draft would propose ids the target lacks (or miss ids it has)
+
+            raise ModelLoadError(f"the draft {self.draft.path} has a vocabulary of {self._draft_fwd.head.n} ids, the "
+                                 f"target {target.path} {self._target_fwd.head.n}: a draft must share the target's "
+                                 f"vocabulary")
         # tensor parallel: shard both models for this rank; its all-reduces are events
         # like kernel choices
         self.tp = tp if tp is not None and tp.size > 1 else None
