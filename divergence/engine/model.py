@@ -39,7 +39,12 @@ class LoadedModel:
         return self.config.get("max_position_embeddings")
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        # verbose=False: no 'Token indices sequence length is longer than ...' warning on stderr; a
+        # prompt longer than the context is refused with its own one-line error
+        try:
+            return list(self.tokenizer.encode(text, verbose=False))
+        except TypeError:  # a tokenizer whose encode takes no `verbose`
+            return list(self.tokenizer.encode(text))
 
     def decode(self, tokens) -> str:
         return self.tokenizer.decode(list(tokens))
