@@ -46,7 +46,9 @@ def main(args) -> int:
         if args.json:
             emit_json(report.to_json())
         else:
-            print(render_bisect(report, a.vocab))
+            from ..analysis.pipeline import foreign
+
+            print(render_bisect(report, a.vocab, foreign=foreign(a, b)))
     return 0 if report.identical else 1
 
 
