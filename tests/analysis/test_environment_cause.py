@@ -109,19 +109,24 @@ def test_an_environment_this_machine_cannot_run_is_one_line_and_exit_2(pair, tmp
 
     from divergence.cli.main import main
 
+    from divergence.blas import blas_core
+    from divergence.core.host import CORE_FLAGS
+
+    # a core other than this process's, which this CPU (as far as the check knows) lacks
+    core = next(c for c in ("Cooperlake", "SkylakeX", "Haswell") if c != blas_core())
     told = tmp_path / "told.h5"
     shutil.copy(pair[0], told)
     with h5py.File(told, "r+") as f:
         env = json.loads(f["meta"].attrs["environment"])
-        env["blas_core"] = "Cooperlake"
+        env["blas_core"] = core
         f["meta"].attrs["environment"] = json.dumps(env)
-    # this CPU, as far as the check knows, has no AVX-512
     import divergence.analysis.environment as environment
 
-    monkeypatch.setattr(environment, "missing_flags", lambda core, flags=None: frozenset({"avx512_bf16"}))
+    lacks = sorted(CORE_FLAGS[core])[-1:]
+    monkeypatch.setattr(environment, "missing_flags", lambda c, flags=None: frozenset(lacks))
     capsys.readouterr()
     assert main(["replay", str(told)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot run OpenBLAS's Cooperlake kernels" in err[0], err
+    assert len(err) == 1 and f"cannot run OpenBLAS's {core} kernels" in err[0], err
     assert main(["run", "--blas-core", "NoSuchCore", "--out", str(tmp_path / "x")]) == 2
     assert "not an OpenBLAS core" in capsys.readouterr().err
