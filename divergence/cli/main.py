@@ -17,8 +17,8 @@ SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "
 BAD_INPUT = "bad input (one line on stderr, nothing written)"
 # Each command's exit codes, as its --help shows them (tests/cli/test_exit_codes.py checks them).
 EXIT_CODES = {
-    "run": {0: "every schedule gave the same tokens", 1: "the schedules diverged (their traces are written)",
-            2: BAD_INPUT},
+    "run": {0: "the traces were recorded (diverged or not; with --check: every schedule gave the same tokens)",
+            1: "with --check: the schedules diverged (their traces are written)", 2: BAD_INPUT},
     "diff": {0: "identical", 1: "diverged (with --bitwise: logits included)", 2: BAD_INPUT},
     "bisect": {0: "identical", 1: "diverged (the report says why)", 2: BAD_INPUT},
     "report": {0: "identical", 1: "diverged (the page is written either way)", 2: BAD_INPUT},
@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=mod.HELP, description=mod.HELP, epilog=exit_codes_epilog(name),
                            formatter_class=_Formatter)
         mod.add_arguments(p)
+        # the global option after the subcommand too (`divergence run --reference-blas`); main()
+        # reads it from argv before anything loads a BLAS
+        p.add_argument("--reference-blas", action="store_true", dest="reference_blas_here", default=argparse.SUPPRESS,
+                       help="keep MLX's bundled reference BLAS (as before the command)")
         p.set_defaults(_run=mod.main)
     return parser
 

@@ -45,6 +45,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", metavar="DIR", default="traces", help="a directory: one SCHEDULE.h5 trace per "
                    "schedule goes there (default ./traces)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
+    p.add_argument("--check", action="store_true", help="exit 1 when the schedules diverge (for CI; without it "
+                   "a run that recorded its traces exits 0, diverged or not)")
 
 
 def main(args) -> int:
@@ -142,7 +144,7 @@ def main(args) -> int:
                 for r in requests],
             "diff": {s: d.to_json() for s, d in diffs.items()},
         })
-        return 0 if identical else 1
+        return 1 if args.check and not identical else 0
     for s in schedules:
         r = results[s]
         rates = [o.acceptance_rate for o in r.outputs.values() if o.acceptance_rate is not None]
@@ -158,7 +160,8 @@ def main(args) -> int:
             if x.first_divergent_token else f"{x.id} ({x.status})" for x in d.diverged)
         print(f"{base} vs {s}: diverged: {where}")
         print(f"next: divergence bisect {paths[base]} {paths[s]} --confirm")
-    return 0 if identical else 1  # like diff and bisect: 1 when a compared pair diverged
+    # the run did its job, diverged or not (the divergence is what it found); --check gates CI on it
+    return 1 if args.check and not identical else 0
 
 
 def check_blas_request(args) -> int | None:

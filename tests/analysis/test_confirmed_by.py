@@ -99,7 +99,7 @@ def test_this_engines_lead_is_hinted_to_confirm(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    assert main(["run", "--out", str(out), "--json"]) == 1
+    assert main(["run", "--out", str(out), "--json"]) == 0
     return str(out / "serial.h5"), str(out / "concurrent.h5")
 
 

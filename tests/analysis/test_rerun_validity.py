@@ -109,7 +109,7 @@ def test_check_rerun_directly(pair, tmp_path):
 def demo(tmp_path_factory):
     """Seed 000 on the fixtures (threshold:4, speculative): r1's cause is concurrent step 8."""
     out = tmp_path_factory.mktemp("demo")
-    assert main(["run", "--out", str(out), "--json"]) == 1
+    assert main(["run", "--out", str(out), "--json"]) == 0
     return out / "serial.h5", out / "concurrent.h5"
 
 

@@ -20,7 +20,7 @@ from divergence.cli.main import main
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    assert main(["run", "--out", str(out), "--json"]) == 1  # diverged
+    assert main(["run", "--out", str(out), "--json"]) == 0  # diverged, and recorded (--check makes it 1)
     return out
 
 
@@ -85,7 +85,7 @@ def test_diff_identical_traces_exit_0(demo, capsys):
 
 def test_without_kv_hashes_bisect_falls_back_to_replay_bisection(tmp_path, capsys):
     out = tmp_path / "nohash"
-    assert main(["run", "--out", str(out), "--no-kv-hashes", "--json"]) == 1  # the demo diverges
+    assert main(["run", "--out", str(out), "--no-kv-hashes", "--json"]) == 0
     capsys.readouterr()
     rc = main(["bisect", str(out / "serial.h5"), str(out / "concurrent.h5"), "--json"])
     report = json.loads(capsys.readouterr().out)

@@ -43,14 +43,14 @@ def pipe_clean(err: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """`divergence run` of the embedded demo, once: its schedules diverge (r1 at position 127)."""
+    """`divergence run --check` of the embedded demo, once: its schedules diverge (r1 at position 127)."""
     out = tmp_path_factory.mktemp("demo")
     import contextlib  # (capsys is function-scoped: capture by hand)
     import io
 
     err = io.StringIO()
     with contextlib.redirect_stdout(io.StringIO()) as stdout, contextlib.redirect_stderr(err):
-        rc = main(["run", "--out", str(out)])
+        rc = main(["run", "--out", str(out), "--check"])
     return {"rc": rc, "out": stdout.getvalue(), "err": err.getvalue(),
             "a": out / "serial.h5", "b": out / "concurrent.h5"}
 
@@ -88,7 +88,7 @@ def test_sweep_help_is_plain(capsys):
     assert "anchors" not in out
 
 
-def test_run_diverged_is_1_and_pipe_clean(demo, capsys):
+def test_run_check_diverged_is_1_and_pipe_clean(demo, capsys):
     assert demo["rc"] == 1 and 1 in documented("run", capsys)
     assert "diverged: r1 at position" in demo["out"]
     pipe_clean(demo["err"])
@@ -219,3 +219,12 @@ def test_import(tmp_path, capsys):
                    timeout=120)
     assert run(["import", src, "--out", tmp_path / "s.h5"], capsys)[0] == 0 in codes
     assert run(["import", tmp_path / "nope", "--out", tmp_path / "n.h5"], capsys)[0] == 2 in codes
+
+
+def test_the_global_reference_blas_option_is_taken_after_the_subcommand_too(tmp_path):
+    """`divergence run --reference-blas` (the README's spelling) runs on the reference BLAS, as
+    `divergence --reference-blas run` does (it was 'unrecognized arguments')."""
+    p = subprocess.run([sys.executable, "-m", "divergence", "run", "--reference-blas", "--schedules", "serial",
+                        "--max-tokens", "2", "--out", str(tmp_path / "r")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "BLAS: reference BLAS bundled with MLX" in p.stderr, p.stderr
