@@ -174,7 +174,7 @@ def test_a_sampler_cause_is_led_by_the_draft_step_and_confirmed_at_the_draw(tmp_
     prompts = _sampled_prompts(tmp_path / "p.jsonl", texts, 32)
     out = tmp_path / "traces"
     assert main(["run", "--prompts", str(prompts), "--spec-k", "3", "--policy", "native", "--ignore-eos",
-                 "--out", str(out), "--json"]) == 1
+                 "--out", str(out), "--json", "--check"]) == 1  # --check: 1, the schedules diverged
     rc, report = _bisect(capsys, out / "serial.h5", out / "concurrent.h5")
     assert rc == 1
     diverged = [r for r in report["requests"] if r["status"] == "diverged"]
