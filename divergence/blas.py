@@ -17,7 +17,8 @@ from contextlib import contextmanager
 
 # "reference" to keep MLX's bundled BLAS, or a path to a libblas; OPENBLAS_CORETYPE picks the
 # core, whose kernels change fp32 bits (DESIGN.md: small-matrix kernels on SkylakeX / Cooperlake)
-from .core.host import BLAS_ENV as ENV, CORE_ENV, REFERENCE_WORDS, is_reference  # noqa: F401
+from .core.host import BLAS_ENV as ENV, REFERENCE_WORDS
+
 CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
     "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",

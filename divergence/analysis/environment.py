@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..core.host import BLAS_ENV as ENV, CORE_ENV, is_reference, missing_flags
+from ..core.host import BLAS_ENV as ENV, CORE_ENV, CORE_FLAGS, is_reference, missing_flags
 
 # What a run's environment says that changes its numbers (versions and platform aside).
 NUMERIC_ENVIRONMENT = ("backend", "device", "device_name", "blas", "blas_core", "blas_threads", "mlx")
@@ -39,16 +39,10 @@ class Reproduction:
 
     env: dict = field(default_factory=dict)
     missing: list = field(default_factory=list)
-    fields: list = field(default_factory=list)  # the BLAS fields that differ from this process's
-    notes: list = field(default_factory=list)  # fields that differ but no process here can change
 
     def describe(self) -> str:
         """'OPENBLAS_CORETYPE=SkylakeX' (what a child process is started with)."""
         return " ".join(f"{k}={v}" for k, v in sorted(self.env.items(), key=lambda kv: kv[0] != CORE_ENV))
-
-    @property
-    def possible(self) -> bool:
-        return not self.missing
 
     @property
     def needs_child(self) -> bool:
@@ -61,7 +55,6 @@ def reproduction(want: dict, here: dict) -> Reproduction:
     Fields `want` does not record (traces of older versions, other engines) are not asked."""
     out = Reproduction()
     if "blas" in want and want["blas"] != here.get("blas"):
-        out.fields.append("blas")
         if is_reference(want["blas"]):
             out.env[ENV] = "reference"
         elif is_reference(here.get("blas")) or str(want["blas"]).startswith("OpenBLAS"):
@@ -74,21 +67,25 @@ def reproduction(want: dict, here: dict) -> Reproduction:
             out.missing.append(f"blas: {want['blas']} (this process: {here.get('blas')})")
     core = want.get("blas_core")
     if core and core != here.get("blas_core"):
-        out.fields.append("blas_core")
-        lacks = missing_flags(core)
-        if lacks:
-            out.missing.append(f"blas_core: this CPU cannot run OpenBLAS's {core} kernels "
-                               f"(it lacks {', '.join(sorted(lacks))})")
-        elif lacks is None:
-            out.missing.append(f"blas_core: OpenBLAS core {core!r} is not one this tool knows how to force")
+        problem = core_problem(core)
+        if problem:
+            out.missing.append(f"blas_core: {problem}")
         else:
             out.env[CORE_ENV] = core
-    for k in ("mlx",):  # named, not refused: a replay under another MLX is usually still the recording
-        if k in want and want[k] != here.get(k):
-            out.notes.append(f"{k}: recorded {want[k]}, this machine has {here.get(k)}")
+    # another MLX or device is not reproduced: diff's environment note names it
     if out.missing:
         out.env = {}
     return out
+
+
+def core_problem(core: str) -> str | None:
+    """Why this process cannot be started with OpenBLAS core `core` (None: it can)."""
+    lacks = missing_flags(core)
+    if lacks is None:
+        return f"not an OpenBLAS core this tool knows ({', '.join(CORE_FLAGS)})"
+    if lacks:
+        return f"this CPU cannot run OpenBLAS's {core} kernels (it lacks {', '.join(sorted(lacks))})"
+    return None
 
 
 def _library_path(blas: str) -> str | None:

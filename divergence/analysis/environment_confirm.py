@@ -20,14 +20,15 @@ from ..errors import ReplayError
 from .environment import child_environment, recorded, reproduction
 
 
-def replay_in_child(trace_path, *, under=None, out=None, tap: tuple | None = None, model_dir=None,
+def replay_in_child(trace, *, under=None, out=None, tap: tuple | None = None, model_dir=None,
                     draft_dir=None, workdir) -> Path:
-    """Run `divergence replay` on trace_path in a child process under the recorded environment of
-    `under` (a trace; default: the trace's own). Writes the replayed trace (tap None) or the
-    tapped step's op rows (tap = (step, request)) under workdir; returns that path."""
+    """Run `divergence replay` on an open trace in a child process under the recorded environment
+    of `under` (another open trace; default: the trace's own). Writes the replayed trace (tap
+    None) or the tapped step's op rows (tap = (step, request)) under workdir; returns that path."""
+    trace_path = trace.path
     cmd = [sys.executable, "-m", "divergence", "replay", str(trace_path), "--json"]
     if under is not None:
-        cmd += ["--environment-of", str(under)]
+        cmd += ["--environment-of", str(under.path)]
     if model_dir:
         cmd += ["--model", str(model_dir)]
     if draft_dir:
@@ -38,12 +39,10 @@ def replay_in_child(trace_path, *, under=None, out=None, tap: tuple | None = Non
     else:
         out = Path(out or Path(workdir) / f"{Path(trace_path).stem}.under.h5")
         cmd += ["--out", str(out)]
-    from ..trace.reader import Trace
-
-    with Trace.open(under if under is not None else trace_path) as t:
-        rep = reproduction(recorded(t), {})  # a child told every field, whatever this process runs
+    source = under if under is not None else trace
+    rep = reproduction(recorded(source), {})  # a child told every field, whatever this process runs
     if rep.missing:
-        raise ReplayError(f"this machine cannot reproduce the environment of {under or trace_path}: {rep.missing[0]}")
+        raise ReplayError(f"this machine cannot reproduce the environment of {source.path}: {rep.missing[0]}")
     done = subprocess.run(cmd, capture_output=True, text=True, env=child_environment(rep))
     # a replay under another environment is meant to differ from its trace: 1 (not faithful) is fine
     if done.returncode not in (0, 1) or not out.exists():
@@ -74,12 +73,8 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
     def replayed():
         if "trace" not in state:
             state["trace"] = None
-            rep = reproduction(recorded(a), {})
-            if rep.missing:
-                state["why"] = f"this machine cannot reproduce {label_a}'s environment: {rep.missing[0]}"
-                return None
-            try:
-                path = replay_in_child(b.path, under=a.path, model_dir=model_dir, draft_dir=draft_dir,
+            try:  # (a field this machine cannot reproduce is the ReplayError's line)
+                path = replay_in_child(b, under=a, model_dir=model_dir, draft_dir=draft_dir,
                                        workdir=work.name)
             except ReplayError as e:
                 state["why"] = str(e)
@@ -119,5 +114,10 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
         return False, (f"replaying {label_b} under {label_a}'s environment ({state['how']}) still differs from "
                        f"{label_a} for {rd.id} {upto}: the recorded fields do not explain it")
 
-    confirm.close = lambda: (state.get("trace") and state["trace"].close(), work.cleanup())
+    def close() -> None:
+        if state.get("trace") is not None:
+            state["trace"].close()
+        work.cleanup()
+
+    confirm.close = close
     return confirm

@@ -442,5 +442,5 @@ def tap_in_child(trace, step: int, rid: str, replayer: Replayer):
     from .environment_confirm import load_tap, replay_in_child
 
     with tempfile.TemporaryDirectory(prefix="divergence-tap-") as work:
-        return load_tap(replay_in_child(trace.path, tap=(step, rid), model_dir=replayer.model_dir,
+        return load_tap(replay_in_child(trace, tap=(step, rid), model_dir=replayer.model_dir,
                                         draft_dir=replayer.draft_dir, workdir=work))

@@ -72,22 +72,18 @@ def run_under_requested_core(args, argv) -> int | None:
     core = getattr(args, "blas_core", None)
     if args.command != "run" or not core:
         return None
-    from ..core.host import CORE_ENV, CORE_FLAGS, missing_flags
+    from ..analysis.environment import REEXEC_ENV, Reproduction, child_environment, core_problem
+    from ..core.host import CORE_ENV
 
-    lacks = missing_flags(core)
-    if lacks is None:
-        raise EnvironmentMismatchError(f"--blas-core {core}: not an OpenBLAS core this tool knows "
-                                       f"({', '.join(CORE_FLAGS)})")
-    if lacks:
-        raise EnvironmentMismatchError(f"--blas-core {core}: this CPU cannot run OpenBLAS's {core} kernels "
-                                       f"(it lacks {', '.join(sorted(lacks))})")
+    problem = core_problem(core)
+    if problem:
+        raise EnvironmentMismatchError(f"--blas-core {core}: {problem}")
     if "divergence.blas" not in sys.modules:
         os.environ[CORE_ENV] = core  # read when the library loads, just below
         return None
-    from ..analysis.environment import REEXEC_ENV
     from ..blas import blas_core
 
     if (blas_core() or "").lower() == core.lower() or os.environ.get(REEXEC_ENV):
         return None
-    env = dict(os.environ, **{CORE_ENV: core, REEXEC_ENV: "1"})
-    return subprocess.call([sys.executable, "-m", "divergence", *argv], env=env)
+    return subprocess.call([sys.executable, "-m", "divergence", *argv],
+                           env=child_environment(Reproduction(env={CORE_ENV: core})))

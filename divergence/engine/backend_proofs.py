@@ -40,6 +40,7 @@ class BackendProofs:
 
     def __init__(self):
         self._memo: dict[str, bool] = {}
+        self._fingerprint: dict | None = None  # the process's backend: read once
         self._path: Path | None = None
         self._loaded = False
 
@@ -47,7 +48,8 @@ class BackendProofs:
         if os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none"):
             return None
         if self._path is None:
-            fp = json.dumps(fingerprint(), sort_keys=True)
+            self._fingerprint = fingerprint()
+            fp = json.dumps(self._fingerprint, sort_keys=True)
             self._path = cache_dir() / f"proofs-{hashlib.sha256(fp.encode()).hexdigest()[:16]}.json"
         return self._path
 
@@ -75,12 +77,12 @@ class BackendProofs:
         path = self._file()
         if path is None:
             return
+        from ..core.atomic import write_atomic
+
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"fingerprint": fingerprint(), "proofs": self._memo}, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:  # a read-only home: the proofs stay in memory
+            write_atomic(path, json.dumps({"fingerprint": self._fingerprint, "proofs": self._memo}, sort_keys=True))
+        except OSError:  # a read-only home or a full disk: the proofs stay in memory
             pass
 
 

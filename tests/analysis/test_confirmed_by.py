@@ -16,7 +16,7 @@ from divergence.analysis.report import render_bisect
 from divergence.cli.main import main
 from divergence.trace.reader import Trace
 
-from record.conftest import EXAMPLE, example  # noqa: E402  (tests/ is on sys.path)
+from record.conftest import EXAMPLE, toy_pair  # noqa: E402  (tests/ is on sys.path)
 from tui import story  # noqa: E402
 
 
@@ -35,11 +35,7 @@ def _text(args, capsys) -> str:
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     """The toy engine's pair (another engine's traces: settings.engine is set)."""
-    d = tmp_path_factory.mktemp("toy")
-    for schedule in ("serial", "concurrent"):
-        example(d / schedule, "--schedule", schedule)
-        assert main(["import", str(d / schedule), "--out", str(d / f"{schedule}.h5")]) == 0
-    return str(d / "serial.h5"), str(d / "concurrent.h5")
+    return tuple(str(p) for p in toy_pair(tmp_path_factory.mktemp("toy")))
 
 
 def _cmd(args: str) -> str:

@@ -128,5 +128,6 @@ def test_an_environment_this_machine_cannot_run_is_one_line_and_exit_2(pair, tmp
     assert main(["replay", str(told)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot run OpenBLAS's {core} kernels" in err[0], err
+    monkeypatch.undo()  # this CPU's own flags again: a core name no table knows
     assert main(["run", "--blas-core", "NoSuchCore", "--out", str(tmp_path / "x")]) == 2
     assert "not an OpenBLAS core" in capsys.readouterr().err

@@ -38,12 +38,9 @@ def pair(request, tmp_path_factory):
     opts, schedules = PAIRS[request.param]
     first, second = schedules.split(",")
     if opts is None:
-        from tests.record.conftest import example
+        from tests.record.conftest import toy_pair
 
-        for s in (first, second):
-            example(d / s, "--schedule", s)
-            assert main(["import", str(d / s), "--out", str(d / f"{s}.h5")]) == 0
-        return d / f"{first}.h5", d / f"{second}.h5"
+        return toy_pair(d, (first, second))
     args = ["run", "--schedules", schedules, "--out", str(d), "--json", *(o for o in opts if o != "--builtin")]
     if "--builtin" not in opts:
         prompts = d / "p.jsonl"

@@ -15,16 +15,20 @@ def example(out, *args):
     return out
 
 
+def toy_pair(d, schedules=("serial", "concurrent")):
+    """(serial.h5, concurrent.h5) in d, imported from examples/toy_engine.py's JSON Lines."""
+    from divergence.cli.main import main
+
+    for schedule in schedules:
+        example(d / schedule, "--schedule", schedule)
+        assert main(["import", str(d / schedule), "--out", str(d / f"{schedule}.h5")]) == 0
+    return tuple(d / f"{s}.h5" for s in schedules)
+
+
 @pytest.fixture(scope="session")
 def pair(tmp_path_factory):
     """(serial.h5, concurrent.h5) imported from examples/toy_engine.py's JSON Lines."""
-    from divergence.cli.main import main
-
-    d = tmp_path_factory.mktemp("example")
-    for schedule in ("serial", "concurrent"):
-        example(d / schedule, "--schedule", schedule)
-        assert main(["import", str(d / schedule), "--out", str(d / f"{schedule}.h5")]) == 0
-    return d / "serial.h5", d / "concurrent.h5"
+    return toy_pair(tmp_path_factory.mktemp("example"))
 
 
 @pytest.fixture(scope="session")
