@@ -11,7 +11,7 @@ import sys
 
 from ..errors import DivergenceInputError
 
-SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import")
+SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import", "serve", "rerun")
 
 
 BAD_INPUT = "bad input (one line on stderr, nothing written)"
@@ -31,6 +31,9 @@ EXIT_CODES = {
     "sweep": {0: "the sweep ran (it measures: any number of unique completions)", 2: BAD_INPUT},
     "probe": {0: "the map was measured (or read from the cache)", 2: BAD_INPUT},
     "import": {0: "the trace was written", 2: BAD_INPUT},
+    "serve": {0: "stopped (SIGTERM or Ctrl-C): the requests taken were finished and the trace closed",
+              2: BAD_INPUT},
+    "rerun": {0: "the reference trace was written", 2: BAD_INPUT},
 }
 
 

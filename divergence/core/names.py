@@ -74,8 +74,8 @@ SCHEDULES = (SERIAL, CONCURRENT, WARM)  # what a run may ask for
 # Ids of the requests that pre-fill the prefix cache in the `warm` schedule.
 WARMUP_PREFIX = "warmup/"
 
-# Lifecycle events of a request.
-REQUEST_EVENTS = ("arrived", "finished", "error")
+# Lifecycle events of a request ("cancelled": a live server's client went away mid-request).
+REQUEST_EVENTS = ("arrived", "finished", "error", "cancelled")
 
 # Record kinds of the recording contract another engine follows (divergence.record,
 # `divergence import`, docs/recording.md), in the order a step's records come.

@@ -148,7 +148,7 @@ class Run:
         """Run one scheduler's requests to completion."""
         clock = 0
         ahead: Launch | None = None  # the next decode step, queued before this one's tokens came back
-        while not sched.done():
+        while self._more(sched, clock):
             work, admitted = sched.schedule(clock)
             if not work:  # idle until the next arrival
                 clock = max(clock + 1, sched.next_arrival() or 0)
@@ -171,6 +171,11 @@ class Run:
                 sampled = self.collect(launch)
                 self.commit(sched, launch, sampled)
             clock += 1
+
+    def _more(self, sched: Scheduler, clock: int) -> bool:
+        """Whether the loop plans another step; a run that takes requests while it runs
+        (serve.live.LiveRun) adds them to `sched` here, between steps."""
+        return not sched.done()
 
     def _launch_ahead(self, sched: Scheduler, launch: Launch, nxt: list[Work]) -> Launch:
         """Queue the next decode step, its input tokens taken on the device from this one."""

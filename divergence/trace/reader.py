@@ -200,9 +200,22 @@ class Trace:
                 raise validate.damaged(self.path, f"/requests/{name} holds {len(a)} entries for {n} requests")
         if n and (off[0] < 0 or (np.diff(off) < 0).any() or off[-1] > len(flat)):
             raise validate.damaged(self.path, "/requests/prompt_offsets do not index /requests/prompt_tokens")
-        self._check_request_count(n)
-        return [TraceRequest(rid, tuple(int(t) for t in flat[off[i]: off[i + 1]]), int(arr[i]), int(mt[i]),
-                             Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
+        out = [TraceRequest(rid, tuple(int(t) for t in flat[off[i]: off[i + 1]]), int(arr[i]), int(mt[i]),
+                            Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
+        out += self._live_requests()
+        self._check_request_count(len(out))
+        return out
+
+    def _live_requests(self) -> list[TraceRequest]:
+        """Requests that joined while the run ran (a live server's /live_requests), after /requests."""
+        if self.version != 2 or "live_requests" not in self._once("commit", self._commit):
+            return []
+        t, flat = self._raw("live_requests"), self._raw("live_prompt_tokens")["value"]
+        return [TraceRequest(bytes(t["id"][i]).decode("ascii", "replace"),
+                             tuple(int(x) for x in flat[t["prompt_offset"][i]: t["prompt_offset"][i] + t["prompt_count"][i]]),
+                             int(t["arrival"][i]), int(t["max_tokens"][i]),
+                             Sampling(float(t["temperature"][i]), float(t["top_p"][i]), int(t["seed"][i])))
+                for i in range(len(t["id"]))]
 
     def _check_request_count(self, n: int) -> None:
         """Every request arrives (/request_events): one past /requests means the table was cut."""

@@ -192,6 +192,22 @@ TABLES: dict[str, Table] = {
         "bytes": Column(np.int64, "bytes reduced per rank (rows x N x dtype size)"),
         "backend": Column(np.int8, "code into attrs['tp_backends']", codes="tp_backends"),
     }, v1="allreduce"),
+    # A live server's requests arrive while it records: /requests (fixed at run start) holds none of
+    # them, these tables do, appended and committed with the steps that name them (readers list
+    # /requests first, then these rows: a request's index counts on from /requests).
+    "live_requests": Table("requests that joined the run while it ran (a live server's), in arrival order", {
+        "id": Column(np.dtype("S64"), "request id, ASCII", default=b""),
+        "prompt_offset": Column(np.int64, "row of its first prompt token in /live_prompt_tokens"),
+        "prompt_count": Column(np.int32, "prompt tokens"),
+        "arrival": Column(np.int32, "target step at which it came in"),
+        "max_tokens": Column(np.int32, "tokens to generate at most"),
+        "temperature": Column(np.float64, "0 = greedy"),
+        "top_p": Column(np.float64, "nucleus sampling mass", default=1.0),
+        "seed": Column(np.int64, "sampling seed"),
+    }, by_step=False),
+    "live_prompt_tokens": Table("prompt token ids of /live_requests, concatenated", {
+        "value": Column(np.int32, "prompt token id"),
+    }, by_step=False),
 }
 # Names schema 1 readers used for tables: Trace.table accepts both.
 ALIASES = {t.v1: name for name, t in TABLES.items() if t.v1 and t.v1 != name}

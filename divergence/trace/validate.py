@@ -22,6 +22,7 @@ OFFSETS: dict[str, dict[str, tuple[str | None, str]]] = {
     "slices": {"token_offset": ("count", "slice_tokens"), "logit_offset": ("logit_count", "slice_logit_rows")},
     "kv_writes": {"hash_offset": ("count", "kv_hashes")},
     "routing": {"choice_offset": ("k", "routing_choices")},
+    "live_requests": {"prompt_offset": ("prompt_count", "live_prompt_tokens")},
 }
 _KINDS = {"i": "iu", "u": "iu", "f": "f", "b": "b"}  # schema dtype kind -> stored kinds a reader can use
 

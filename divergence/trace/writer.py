@@ -69,6 +69,7 @@ class TraceWriter(Observer):
         self.f = None
         self.tables: dict[str, layout.TableFile] = {}
         self._req_index: dict[str, int] = {}
+        self._live_prompt_rows = 0  # rows of /live_prompt_tokens so far
         self._batch = Batch()
         self._last_write = 0.0  # when the engine last asked for a write (perf_counter)
         self._unwritten = 0  # steps handed off since then
@@ -136,6 +137,25 @@ class TraceWriter(Observer):
     def on_request(self, e: RequestEvent) -> None:
         if e.request_id in self._req_index:
             self._batch.add("request_events", e)
+
+    def on_request_added(self, request) -> None:
+        """A request that joined after the run started (a live server's): its row in /live_requests,
+        its index next after the ones known so far, before any event names it."""
+        if request.id in self._req_index:
+            raise ValueError(f"request {request.id!r} is already in {self.path}")
+        rid = request.id.encode("ascii")
+        if len(rid) > 64:
+            raise ValueError(f"request id {request.id!r} is longer than 64 bytes")
+        i = len(self._req_index)
+        self._req_index[request.id] = i
+        self._encoder.req[request.id] = i  # (the encoder keeps its own copy of the index)
+        s = request.sampling
+        self._batch.add("live_requests", Cols(dict(
+            id=rid, prompt_offset=self._live_prompt_rows, prompt_count=len(request.prompt_tokens),
+            arrival=request.arrival, max_tokens=request.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            seed=s.seed)))
+        self._batch.add("live_prompt_tokens", Cols(dict(value=np.asarray(request.prompt_tokens, np.int32))))
+        self._live_prompt_rows += len(request.prompt_tokens)
 
     def append(self, table: str, **columns) -> None:
         """Records of any table; see the class docstring."""

@@ -1,0 +1,41 @@
+"""`divergence rerun`: re-run a live trace's requests under another schedule (the reference)."""
+from __future__ import annotations
+
+import sys
+
+HELP = "re-run the requests of a live trace (divergence serve) under another schedule: the reference trace"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("live", metavar="LIVE.h5", help="a trace that divergence serve wrote")
+    p.add_argument("--schedule", default="serial", choices=("serial", "concurrent"),
+                   help="the schedule of the re-run")
+    p.add_argument("--requests", metavar="ID,...", help="re-run only these requests (the others are recorded as "
+                   "not run: diff then reports them missing)")
+    p.add_argument("--out", metavar="DIR", required=True, help="a directory: SCHEDULE.h5 goes there")
+    p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
+    p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
+
+
+def main(args) -> int:
+    from ..errors import PromptError
+    from ..serve.rerun import rerun
+    from ..trace.reader import Trace
+    from .paths import check_output_dir
+
+    Trace.open(args.live).close()  # not a trace: one line, before anything loads
+    check_output_dir(args.out, files=[f"{args.schedule}.h5"], inputs=[args.live])
+    ids = None
+    if args.requests is not None:
+        ids = [i.strip() for i in args.requests.split(",") if i.strip()]
+        if not ids:
+            raise PromptError("--requests names no request")
+    path, result, skipped = rerun(args.live, args.out, schedule=args.schedule, request_ids=ids,
+                                  model_dir=args.model, draft_dir=args.draft)
+    ran = len(result.outputs) - len(skipped)
+    print(f"{args.schedule:<11} {ran} requests, {result.generated_tokens} tokens, {result.steps} steps "
+          f"({result.target_steps} target), {result.seconds:.1f} s -> {path}")
+    for rid, why in list(skipped.items())[:10]:
+        print(f"  left out {rid}: {why}", file=sys.stderr)
+    print(f"next: divergence bisect {path} {args.live} --confirm")
+    return 0

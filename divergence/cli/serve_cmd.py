@@ -1,0 +1,108 @@
+"""`divergence serve`: an OpenAI-compatible HTTP server on this engine, every step recorded."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import PromptError
+from .common import add_model_args, default_model_dirs
+
+HELP = ("serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this engine, "
+        "recording every step of the real traffic into a trace")
+
+
+def add_arguments(p) -> None:
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--trace-dir", metavar="DIR", default="traces/live", help="where the live traces go "
+                   "(live-DATE-TIME-NNN.h5, one per segment)")
+    p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model "
+                   "directory's name)")
+    p.add_argument("--policy", default="native", help="kernel policy: native | batch-invariant | threshold:N")
+    p.add_argument("--spec-k", type=int, help="draft tokens per verify (default: 3 with --draft, else 0)")
+    p.add_argument("--token-budget", type=int, default=256, help="rows per engine step")
+    p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token (the most "
+                   "top_logprobs a request may ask for)")
+    p.add_argument("--kv-blocks", type=int, default=2048, help="KV-cache blocks (of 16 positions) per model: "
+                   "what running requests hold at once; a request needing more than all is refused (400), one "
+                   "needing more than are free waits")
+    p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
+    p.add_argument("--ignore-eos", action="store_true", help="generate max_tokens even past end-of-text")
+    p.add_argument("--rotate-mb", type=float, metavar="MB", help="start a new trace once the current one is "
+                   "this large (the running requests finish in it first)")
+    p.add_argument("--rotate-minutes", type=float, metavar="MIN", help="start a new trace after this long")
+    p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
+
+
+def main(args) -> int:
+    from ..engine.dispatch import KernelPolicy
+
+    KernelPolicy.parse(args.policy)
+    for flag, v, lo in (("--port", args.port, 0), ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 1),
+                        ("--token-budget", args.token_budget, 1)):
+        if v < lo:
+            raise PromptError(f"{flag} must be >= {lo}, got {v}")
+    for flag, v in (("--rotate-mb", args.rotate_mb), ("--rotate-minutes", args.rotate_minutes)):
+        if v is not None and v <= 0:
+            raise PromptError(f"{flag} must be > 0, got {v}")
+    spec_k = args.spec_k if args.spec_k is not None else (3 if args.draft else 0)
+    target_dir, draft_dir = default_model_dirs()
+    from .paths import check_output_dir
+
+    check_output_dir(args.trace_dir, flag="--trace-dir")
+    from ..engine.engine import Engine
+    from ..runner import RunConfig
+
+    cfg = RunConfig(model=args.model or target_dir, draft=(args.draft or draft_dir) if spec_k else None,
+                    dtype=args.dtype, policy=args.policy, spec_k=spec_k, token_budget=args.token_budget,
+                    top_k=args.top_k, prefix_cache=args.prefix_cache, stop_at_eos=not args.ignore_eos)
+    engine = Engine.from_settings(cfg.settings(), model_dir=cfg.model, draft_dir=cfg.draft,
+                                  num_blocks=args.kv_blocks)
+    if engine.top_k > engine.vocab:
+        raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({engine.vocab} tokens)")
+    return serve(engine, args, model_id=args.model_name or Path(cfg.model).resolve().name)
+
+
+def serve(engine, args, *, model_id: str) -> int:
+    import socket
+
+    import uvicorn
+
+    from ..serve.app import Server
+    from ..serve.worker import EngineWorker
+
+    try:  # a port in use is one line, before the engine starts
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        raise PromptError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    worker = EngineWorker(engine, args.trace_dir,
+                          rotate_bytes=int(args.rotate_mb * 1e6) if args.rotate_mb else None,
+                          rotate_seconds=args.rotate_minutes * 60 if args.rotate_minutes else None,
+                          kv_hashes=not args.no_kv_hashes)
+    worker.start()
+    server = Server(engine, worker, model_id=model_id)
+    host, port = sock.getsockname()[:2]
+    d = engine.draft
+    print(f"divergence serve: {model_id} ({engine.target.path}, {engine.target.dtype})"
+          + (f", draft {d.path}, spec k={engine.spec_k}" if d else "") + f", policy {engine.policy}", file=sys.stderr)
+    print(f"divergence serve: http://{host}:{port}/v1 ; recording to {worker.current_trace}", file=sys.stderr,
+          flush=True)
+    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=60, lifespan="off")
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
+    # handlers it found: quiet ones, so that the drain below still runs
+    import signal
+
+    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        worker.stop()  # drain: the requests taken finish, the trace closes complete
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    for path in worker.traces:
+        print(f"divergence serve: trace {path}", file=sys.stderr)
+    print(f"next: divergence rerun {worker.current_trace} --out traces/rerun", file=sys.stderr)
+    return 0

@@ -1,0 +1,110 @@
+"""Re-run a live trace's requests under another schedule: the reference trace of the pair.
+
+Each request runs with its recorded prompt, sampling settings and seed, and stops where the
+live request stopped: a client may have left, or a stop string ended it, before max_tokens.
+The reference trace records the requests as the live trace does (max_tokens as asked), so
+diff, bisect --confirm, report and browse take the (rerun, live) pair as they take `run`'s.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..core.names import CONCURRENT, SERIAL
+from ..core.request import Request
+from ..engine.run import Run
+from ..errors import DivergenceInputError, PromptError
+
+RERUN_SCHEDULES = (SERIAL, CONCURRENT)
+
+
+def recorded_requests(live) -> list[Request]:
+    """The live trace's requests as the engine takes them (arrival: the step each came in)."""
+    return [Request(r.id, tuple(r.prompt_tokens), max_tokens=r.max_tokens, arrival=r.arrival, sampling=r.sampling)
+            for r in live.requests]
+
+
+def live_lengths(live) -> dict[str, int]:
+    """Tokens each request generated in the live trace."""
+    t = live.table("tokens", raw=True)
+    counts = np.bincount(t["request"].astype(np.int64), minlength=len(live.requests))
+    return {r.id: int(counts[i]) for i, r in enumerate(live.requests)}
+
+
+def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], dict[str, str]]:
+    """(requests as recorded, requests as the rerun runs them: capped at the live length,
+    ids left out with why). A request the live server never gave a token is left out."""
+    recorded = recorded_requests(live)
+    known = {r.id for r in recorded}
+    if request_ids is not None:
+        unknown = [i for i in request_ids if i not in known]
+        if unknown:
+            raise PromptError(f"--requests: no request {unknown[0]!r} in {live.path} ({len(known)} requests)")
+    lengths = live_lengths(live)
+    run, skipped = [], {}
+    for r in recorded:
+        n = lengths[r.id]
+        if request_ids is not None and r.id not in request_ids:
+            skipped[r.id] = "not in --requests"
+        elif n == 0:
+            skipped[r.id] = "the live request got no token (cancelled before its first)"
+        else:
+            run.append(replace(r, max_tokens=min(r.max_tokens, n)))
+    if not run:
+        raise PromptError(f"{live.path}: no request to re-run (none of those chosen generated a token)")
+    return recorded, run, skipped
+
+
+def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model_dir=None, draft_dir=None):
+    """Write out_dir/<schedule>.h5; returns (its path, RunResult, skipped ids -> why)."""
+    from ..engine.engine import Engine
+    from ..runner import partial_name
+    from ..trace.reader import Trace
+    from ..trace.writer import TraceWriter
+
+    if schedule not in RERUN_SCHEDULES:
+        raise PromptError(f"--schedule {schedule!r}: expected {' or '.join(RERUN_SCHEDULES)}")
+    with Trace.open(live_path) as live:
+        meta = live.meta
+        recorded, requests, skipped = plan_rerun(live, request_ids)
+        kv_hashes = live.has_kv_hashes
+    engine = Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
+                                  model_dir=model_dir, draft_dir=draft_dir)
+    for r in requests:
+        msg = engine.check(r)
+        if msg:
+            raise PromptError(msg)
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DivergenceInputError(f"cannot create --out {out}: {e.strerror or e}") from None
+    path = out / f"{schedule}.h5"
+    tmp = partial_name(path)
+    by_id = {r.id: r for r in requests}
+    try:
+        with TraceWriter(tmp, top_k=engine.top_k, kv_hashes=kv_hashes) as writer:
+            engine.observers = [writer]
+            run = CappedRun(engine, [by_id.get(r.id, r) for r in recorded], schedule, recorded, skipped)
+            result = run.execute()
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        engine.observers = []
+    tmp.replace(path)
+    return path, result, skipped
+
+
+class CappedRun(Run):
+    """Runs each request to its live length; the trace records the requests as recorded
+    (max_tokens as the client asked), so the pair compares request for request."""
+
+    def __init__(self, engine, requests, schedule, recorded, skipped):
+        super().__init__(engine, requests, schedule, bad=skipped)
+        self._recorded = list(recorded)
+
+    def info(self):
+        return replace(super().info(), requests=self._recorded)

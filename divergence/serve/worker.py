@@ -1,0 +1,118 @@
+"""The engine thread of a live server: live runs, one trace segment each, back to back.
+
+The HTTP event loop never runs a step: it submits to the inbox and reads results that the
+engine thread hands over through each request's sink. A segment ends when it is due to
+rotate (size or age, once drained) or on stop; the requests waiting then start the next.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+from ..trace.writer import TraceWriter
+from .live import Deliver, Inbox, LiveRequest, LiveRun
+
+log = logging.getLogger("divergence.serve")
+
+
+class EngineWorker:
+    def __init__(self, engine, trace_dir, *, rotate_bytes: int | None = None, rotate_seconds: float | None = None,
+                 kv_hashes: bool = True):
+        self.engine = engine
+        self.trace_dir = Path(trace_dir)
+        self.rotate_bytes = rotate_bytes
+        self.rotate_seconds = rotate_seconds
+        self.kv_hashes = kv_hashes
+        self.inbox = Inbox()
+        self.traces: list[Path] = []  # every segment written, in order
+        self.error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._deliver: Deliver | None = None
+        self._segment = 0
+
+    @property
+    def current_trace(self) -> Path | None:
+        return self.traces[-1] if self.traces else None
+
+    def start(self) -> None:
+        self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._loop, name="divergence-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()  # the first segment's trace exists: the server can name it
+        if self.error is not None:
+            raise self.error
+
+    def submit(self, req: LiveRequest) -> Path:
+        """Queue a request; returns the trace it will be recorded in (the segment now open, or
+        the next one where this one is rotating: then the response names the one it ran in)."""
+        if self.error is not None or self._thread is None or not self._thread.is_alive():
+            raise RuntimeError(f"the engine stopped: {self.error!r}" if self.error else "the engine is not running")
+        self.inbox.submit(req)
+        return self.current_trace
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        self.inbox.cancel(request_id, reason)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Drain: the requests taken finish, the trace closes complete."""
+        self.inbox.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                self._run_segment()
+                if self.inbox.stopping and not self.inbox.pending():
+                    break
+        except BaseException as e:  # noqa: BLE001  (the HTTP side answers 500 from here on)
+            log.exception("the engine thread failed")
+            self.error = e
+            for sink in list((self._deliver.sinks if self._deliver else {}).values()):
+                sink.done("error")
+        finally:
+            self._ready.set()
+
+    def _run_segment(self) -> None:
+        path = self._next_path()
+        started = time.monotonic()
+
+        def rotate() -> bool:
+            if self.rotate_seconds and time.monotonic() - started >= self.rotate_seconds:
+                return True
+            try:
+                return bool(self.rotate_bytes) and path.stat().st_size >= self.rotate_bytes
+            except OSError:
+                return False
+
+        e = self.engine
+        writer = TraceWriter(path, top_k=e.top_k, kv_hashes=self.kv_hashes)
+        deliver = Deliver()
+
+        def ready() -> None:
+            self.traces.append(path)
+            self._ready.set()
+
+        run = LiveRun(e, self.inbox, deliver, writer=writer, rotate=rotate, on_ready=ready)
+        e.observers = [writer, deliver]
+        self._deliver = deliver
+        try:
+            with writer:
+                run.execute()
+        finally:
+            e.observers = []
+        log.info("trace %s closed (%d requests)", path, run.taken)
+
+    def _next_path(self) -> Path:
+        self._segment += 1
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = self.trace_dir / f"live-{stamp}-{self._segment:03d}.h5"
+        if path.exists():  # another server on this directory in the same second
+            path = path.with_name(f"live-{stamp}-{os.getpid()}-{self._segment:03d}.h5")
+        return path
