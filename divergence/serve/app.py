@@ -40,6 +40,9 @@ class QueueSink(Sink):
         except RuntimeError:  # the loop closed (shutdown): nobody is waiting
             pass
 
+    def joined(self, trace_path) -> None:
+        self._put(("joined", trace_path))
+
     def token(self, event) -> None:
         self._put(("token", event))
 
@@ -137,14 +140,31 @@ class Server:
         lr = LiveRequest(rid, tuple(tokens), max_tokens, p.sampling, sink,
                          prompt_text=p.prompt if isinstance(p.prompt, str) else None)
         try:
-            trace = self.worker.submit(lr)
+            self.worker.submit(lr)
         except RuntimeError as e:
             raise ApiError(str(e), status=503, kind="server_error", code="unavailable") from None
+        try:  # the engine names the trace when it takes the request (at the next step boundary)
+            kind, trace = await self._first(http, sink)
+        except (ConnectionError, asyncio.CancelledError):
+            self.worker.cancel(rid, CANCELLED)
+            raise
+        if kind != "joined":
+            raise ApiError("the engine did not take the request", status=503, kind="server_error",
+                           code="unavailable")
         gen = Generation(self, p, rid, len(tokens))
         headers = {"X-Divergence-Request-Id": rid, "X-Divergence-Trace": str(trace)}
         if p.stream:
             return StreamingResponse(self._stream(gen, sink), media_type="text/event-stream", headers=headers)
         return await self._whole(http, gen, sink, headers)
+
+    @staticmethod
+    async def _first(http: HttpRequest, sink: QueueSink):
+        while True:
+            try:
+                return await asyncio.wait_for(sink.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    raise ConnectionError("the client went away") from None
 
     async def _events(self, gen: Generation, sink: QueueSink, http: HttpRequest | None = None):
         """(text delta, new log-prob entries) per token, until the engine says done; a stop

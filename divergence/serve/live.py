@@ -27,6 +27,9 @@ class Sink:
     """Where a request's results go (serve.app hands them to the event loop). Called on the
     engine thread; must not block."""
 
+    def joined(self, trace_path) -> None:
+        """The engine took the request; it is recorded in this trace."""
+
     def token(self, event: TokenEvent) -> None: ...
     def done(self, reason: str) -> None: ...
 
@@ -172,6 +175,7 @@ class LiveRun(Run):
         sched.waiting.append(seq)  # arrivals only grow: the queue stays in arrival order
         sched.by_id[seq.id] = seq
         self.taken += 1
+        lr.sink.joined(self.writer.path if self.writer is not None else None)
 
     def _cancel(self, sched, rid: str, reason: str) -> None:
         """Between steps: a waiting request leaves the queue, a running one its blocks. A stop

@@ -1,0 +1,131 @@
+"""The OpenAI API against a running server (the official client and raw HTTP): completions and
+chat, streaming and not; every answer is the trace's tokens for its request."""
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from .conftest import TARGET, trace_of
+
+PROMPT = "def add(a, b):\n    "
+
+
+@pytest.fixture(scope="module")
+def model():
+    from divergence.engine.model import load_cached
+
+    return load_cached(TARGET)
+
+
+@pytest.fixture(scope="module")
+def client(demo_server):
+    return openai.OpenAI(base_url=demo_server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def recorded(server, rid: str):
+    """(prompt tokens, generated tokens, event kinds) of a request in the server's trace."""
+    [path] = server.traces()
+    with trace_of(path) as t:
+        req = next(r for r in t.requests if r.id == rid)
+        ev = t.table("request_events")
+        kinds = [str(k) for k, i in zip(ev["kind"], ev["request"]) if int(i) == t.request_index(rid)]
+        return list(req.prompt_tokens), t.tokens(rid).tokens.tolist(), kinds, req
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == ["target"]
+
+
+def test_completion_is_the_traces_tokens(demo_server, client, model):
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=12, seed=5)
+    prompt, tokens, kinds, req = recorded(demo_server, r.id)
+    assert prompt == list(model.encode(PROMPT))
+    assert len(tokens) == r.usage.completion_tokens and 0 < len(tokens) <= 12
+    assert r.choices[0].text == model.decode(tokens)
+    assert kinds == ["arrived", "finished"]
+    assert (req.max_tokens, req.sampling.temperature, req.sampling.seed) == (12, 0.0, 5)
+
+
+def test_the_response_names_its_request_in_a_header_too(demo_server):
+    r = httpx.post(demo_server.base_url + "/completions", json={"model": "target", "prompt": PROMPT,
+                                                                 "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["x-divergence-request-id"] == r.json()["id"]
+    assert r.headers["x-divergence-trace"] == str(demo_server.traces()[0])
+
+
+def test_streamed_completion_joins_to_the_traces_text(demo_server, client, model):
+    chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16, stream=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    _, tokens, _, _ = recorded(demo_server, chunks[0].id)
+    assert text == model.decode(tokens)
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_chat_uses_the_template_and_is_the_traces_tokens(demo_server, client, model):
+    from divergence.serve.text import chat_prompt
+
+    messages = [{"role": "user", "content": "Return the sum."}]
+    r = client.chat.completions.create(model="target", messages=messages, max_tokens=10)
+    prompt, tokens, _, _ = recorded(demo_server, r.id)
+    assert r.id.startswith("chatcmpl-")
+    assert prompt == chat_prompt(model, messages)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == model.decode(tokens)
+
+
+def test_streamed_chat(demo_server, client, model):
+    stream = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hello"}],
+                                            max_tokens=10, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    _, tokens, _, _ = recorded(demo_server, chunks[0].id)
+    assert text == model.decode(tokens)
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+
+
+def test_logprobs_come_from_the_recorded_top_k(demo_server, client):
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=6, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    [path] = demo_server.traces()
+    with trace_of(path) as t:
+        rec = t.tokens(r.id)
+    for i, top in enumerate(lp.top_logprobs):
+        assert len(top) == 3
+        assert lp.token_logprobs[i] <= 0
+        # greedy: the chosen token is the top one, its logprob the largest
+        assert max(top.values()) == pytest.approx(lp.token_logprobs[i])
+        # the differences are the recorded logits' differences
+        logits = rec.topk_logits[i][:3].astype(float)
+        vals = sorted(top.values(), reverse=True)
+        assert vals[0] - vals[1] == pytest.approx(logits[0] - logits[1], abs=1e-6)
+    c = client.chat.completions.create(model="target", messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=4, logprobs=True, top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert all(math.isfinite(x.logprob) for x in content)
+
+
+def test_stop_string_ends_the_text_and_the_request(demo_server, client, model):
+    free = client.completions.create(model="target", prompt=PROMPT, max_tokens=24)
+    text = free.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    assert stop.strip(), text
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.index(stop)]
+    _, tokens, kinds, _ = recorded(demo_server, r.id)
+    assert kinds[-1] == "finished" and len(tokens) < 24  # the engine stopped too, not only the text
+
+
+def test_sampled_requests_record_their_seed(demo_server, client):
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=8, temperature=0.8, top_p=0.9, seed=11)
+    _, tokens, _, req = recorded(demo_server, r.id)
+    assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.8, 0.9, 11)
+    unseeded = client.completions.create(model="target", prompt=PROMPT, max_tokens=2, temperature=0.5)
+    assert recorded(demo_server, unseeded.id)[3].sampling.seed >= 0  # one was chosen and recorded
