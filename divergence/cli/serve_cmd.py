@@ -78,28 +78,46 @@ def serve(engine, args, *, model_id: str) -> int:
         sock.bind((args.host, args.port))
     except OSError as e:
         raise PromptError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+    def recording(path) -> None:
+        print(f"divergence serve: recording to {path}", file=sys.stderr, flush=True)
+
     worker = EngineWorker(engine, args.trace_dir,
                           rotate_bytes=int(args.rotate_mb * 1e6) if args.rotate_mb else None,
                           rotate_seconds=args.rotate_minutes * 60 if args.rotate_minutes else None,
-                          kv_hashes=not args.no_kv_hashes)
-    worker.start()
+                          kv_hashes=not args.no_kv_hashes, on_segment=recording)
     server = Server(engine, worker, model_id=model_id)
     host, port = sock.getsockname()[:2]
     d = engine.draft
     print(f"divergence serve: {model_id} ({engine.target.path}, {engine.target.dtype})"
           + (f", draft {d.path}, spec k={engine.spec_k}" if d else "") + f", policy {engine.policy}", file=sys.stderr)
-    print(f"divergence serve: http://{host}:{port}/v1 ; recording to {worker.current_trace}", file=sys.stderr,
-          flush=True)
-    config = uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=60, lifespan="off")
-    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then re-raises the signal to the
-    # handlers it found: quiet ones, so that the drain below still runs
-    import signal
+    print(f"divergence serve: http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    # The engine runs on this (main) thread, the HTTP server on its own: MLX aborts the process
+    # at exit after streams ran on another thread. SIGTERM / Ctrl-C: uvicorn finishes the
+    # responses in flight (the engine still stepping), then the engine drains and the trace closes.
+    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=60,
+                                         lifespan="off"))
 
-    before = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def http_thread() -> None:
+        try:
+            http.run(sockets=[sock])
+        finally:
+            worker.stop()
+
+    def on_signal(sig, frame) -> None:
+        http.should_exit = True
+
+    import signal
+    import threading
+
+    before = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    t = threading.Thread(target=http_thread, name="divergence-http", daemon=True)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        t.start()
+        worker.run()
     finally:
-        worker.stop()  # drain: the requests taken finish, the trace closes complete
+        http.should_exit = True
+        t.join(70)
         for sig, handler in before.items():
             signal.signal(sig, handler)
     for path in worker.traces:

@@ -265,8 +265,10 @@ class Server:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "divergence"}]})
 
-        async def health(http):
-            return JSONResponse({"status": "ok", "trace": str(self.worker.current_trace)})
+        async def health(http):  # ready once the engine has its trace open
+            trace = self.worker.current_trace
+            return JSONResponse({"status": "ok" if trace else "starting", "trace": str(trace) if trace else None},
+                                status_code=200 if trace else 503)
 
         return Starlette(routes=[
             Route("/v1/completions", completions, methods=["POST"]),

@@ -1,8 +1,10 @@
-"""The engine thread of a live server: live runs, one trace segment each, back to back.
+"""The engine side of a live server: live runs, one trace segment each, back to back.
 
-The HTTP event loop never runs a step: it submits to the inbox and reads results that the
-engine thread hands over through each request's sink. A segment ends when it is due to
-rotate (size or age, once drained) or on stop; the requests waiting then start the next.
+The HTTP event loop (on another thread) never runs a step: it submits to the inbox and
+reads results that the engine hands over through each request's sink. A segment ends when
+it is due to rotate (size or age, once drained) or on stop; the requests waiting then start
+the next. `divergence serve` runs the engine on the main thread (`run`): MLX aborts the
+process at exit after another thread ran its streams; `start` runs it on a thread of its own.
 """
 from __future__ import annotations
 
@@ -20,18 +22,18 @@ log = logging.getLogger("divergence.serve")
 
 class EngineWorker:
     def __init__(self, engine, trace_dir, *, rotate_bytes: int | None = None, rotate_seconds: float | None = None,
-                 kv_hashes: bool = True):
+                 kv_hashes: bool = True, on_segment=lambda path: None):
         self.engine = engine
         self.trace_dir = Path(trace_dir)
         self.rotate_bytes = rotate_bytes
         self.rotate_seconds = rotate_seconds
         self.kv_hashes = kv_hashes
+        self.on_segment = on_segment  # called with each new trace's path, once it exists
         self.inbox = Inbox()
         self.traces: list[Path] = []  # every segment written, in order
         self.error: BaseException | None = None
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
         self._deliver: Deliver | None = None
         self._segment = 0
 
@@ -40,8 +42,7 @@ class EngineWorker:
         return self.traces[-1] if self.traces else None
 
     def start(self) -> None:
-        self.trace_dir.mkdir(parents=True, exist_ok=True)
-        self._thread = threading.Thread(target=self._loop, name="divergence-engine", daemon=True)
+        self._thread = threading.Thread(target=self.run, name="divergence-engine", daemon=True)
         self._thread.start()
         self._ready.wait()  # the first segment's trace exists: the server can name it
         if self.error is not None:
@@ -50,8 +51,8 @@ class EngineWorker:
     def submit(self, req: LiveRequest) -> Path:
         """Queue a request; returns the trace it will be recorded in (the segment now open, or
         the next one where this one is rotating: then the response names the one it ran in)."""
-        if self.error is not None or self._thread is None or not self._thread.is_alive():
-            raise RuntimeError(f"the engine stopped: {self.error!r}" if self.error else "the engine is not running")
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error!r}")
         self.inbox.submit(req)
         return self.current_trace
 
@@ -64,9 +65,12 @@ class EngineWorker:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # -- the engine thread ----------------------------------------------------------------------
-    def _loop(self) -> None:
+    # -- the engine's thread ----------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve segments until stop() (from another thread or a signal handler) and drained.
+        An engine failure fails the requests in flight, refuses new ones (503), and is raised."""
         try:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
             while True:
                 self._run_segment()
                 if self.inbox.stopping and not self.inbox.pending():
@@ -76,6 +80,8 @@ class EngineWorker:
             self.error = e
             for sink in list((self._deliver.sinks if self._deliver else {}).values()):
                 sink.done("error")
+            if self._thread is None:
+                raise
         finally:
             self._ready.set()
 
@@ -98,9 +104,10 @@ class EngineWorker:
         def ready() -> None:
             self.traces.append(path)
             self._ready.set()
+            self.on_segment(path)
 
+        e.observers = [writer, deliver]  # before the run: it asks them what to record (KV hashes, kernels, ...)
         run = LiveRun(e, self.inbox, deliver, writer=writer, rotate=rotate, on_ready=ready)
-        e.observers = [writer, deliver]
         self._deliver = deliver
         try:
             with writer:

@@ -129,3 +129,14 @@ def test_sampled_requests_record_their_seed(demo_server, client):
     assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.8, 0.9, 11)
     unseeded = client.completions.create(model="target", prompt=PROMPT, max_tokens=2, temperature=0.5)
     assert recorded(demo_server, unseeded.id)[3].sampling.seed >= 0  # one was chosen and recorded
+
+
+def test_the_live_trace_records_what_run_records(demo_server, client):
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=8)
+    [path] = demo_server.traces()
+    with trace_of(path) as t:
+        idx = t.request_index(r.id)
+        assert t.meta["schedule"] == "concurrent" and "serve" in t.meta["settings"]
+        assert (t.kv_writes()["request"] == idx).any()  # KV hashes, kernels, draft steps: as run records them
+        assert len(t.kernels()["kernel"]) > 0
+        assert "draft" in set(t.codes("models")[int(m)] for m in t.steps["model"])
