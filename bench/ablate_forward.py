@@ -48,10 +48,10 @@ from common import mx
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
-import divergence.engine.forward as F
+import divergence.engine.model.forward as F
 import divergence.engine.sampling as S
 from divergence.engine.engine import Engine
-from divergence.engine.forward import StepOutput
+from divergence.engine.model.forward import StepOutput
 from divergence.core.request import Request
 
 ORIGINAL = F.PackedForward.__call__

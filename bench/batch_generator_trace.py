@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from divergence.analysis.bisect import bisect_traces  # noqa: E402
 from divergence.analysis.report import render_bisect  # noqa: E402
-from divergence.engine.model import load_model  # noqa: E402
-from divergence.mlxlm_batch import run_batch_generator  # noqa: E402
-from divergence.prompts import load_prompts  # noqa: E402
+from divergence.engine.model.loading import load_model  # noqa: E402
+from divergence.workloads.mlxlm_batch import run_batch_generator  # noqa: E402
+from divergence.workloads.prompts import load_prompts  # noqa: E402
 from divergence.trace.reader import Trace  # noqa: E402
 from divergence.trace.writer import TraceWriter  # noqa: E402
 

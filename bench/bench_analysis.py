@@ -90,7 +90,7 @@ def bench_bisect(quick: bool) -> dict:
 
 def bench_tracing(quick: bool) -> dict:
     from divergence.engine.engine import Engine
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
     from divergence import Trace
 
@@ -118,7 +118,7 @@ def bench_tracing(quick: bool) -> dict:
         out[f"B={b}"] = {"tok_s_plain": tokens / p, "tok_s_traced": tokens / q, "overhead": q / p - 1,
                          "trace_bytes_per_token": size / tokens}
         # replay time relative to the original run
-        from divergence.analysis.replay import Replayer
+        from divergence.analysis.replayer import Replayer
         with Trace.open(path) as tr:
             t0 = time.perf_counter()
             Replayer().run(tr)

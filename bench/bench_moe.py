@@ -22,7 +22,7 @@ Per format, interleaved in every repetition (order flipped each one), medians:
   room B=1 left.
 
 bf16 with dense experts is not measured: mlx's CPU gather_mm is float32-only,
-so mlx-lm cannot run it here (the engine can; see divergence/engine/expert_kernels.py).
+so mlx-lm cannot run it here (the engine can; see divergence/engine/kernels/experts.py).
 Writes bench/results/moe.json.
 """
 from __future__ import annotations
@@ -42,10 +42,10 @@ from bench_engine import engine_batch, mlx_batch, mlx_single
 from divergence.core.events import Observer
 from divergence.core.policy import KernelPolicy
 from divergence.core.request import Request
-from divergence.engine.dispatch import KernelDispatcher
+from divergence.engine.kernels.dispatch import KernelDispatcher
 from divergence.engine.engine import Engine
-from divergence.engine.expert_kernels import run_experts
-from divergence.engine.forward import PackedForward
+from divergence.engine.kernels.experts import run_experts
+from divergence.engine.model.forward import PackedForward
 
 SHAPE = dict(model_type="qwen3_moe", hidden_size=512, num_layers=8, heads=8, kv_heads=4, intermediate_size=1024,
              moe_intermediate_size=512, num_experts=16, experts_per_token=2)

@@ -7,7 +7,7 @@ BatchGenerator on the same prompts, each a fresh Python process, wall clock end 
 Each repetition runs both processes (the order flips every repetition); the ratio is
 the median of the per-repetition ratios BatchGenerator wall / engine wall (> 1: the
 engine's whole run, tracing included, is faster). Both processes load the same BLAS
-(divergence.blas before mlx) and the same model directory in the same dtype; both
+(divergence.engine.kernels.blas before mlx) and the same model directory in the same dtype; both
 include interpreter start, imports, model load, prefill and decode. The engine writes
 its trace (KV hashes, kernels, top-k, vocabulary) as `divergence run` always does.
 Goal (issue 13): >= 1.2x on the 0.5B shape in fp32 and bf16. Writes
@@ -32,7 +32,7 @@ GOAL = 1.2
 BG_SCRIPT = r'''
 import json, sys, time
 t0 = time.perf_counter()
-import divergence.blas  # the same BLAS as the engine process
+import divergence.engine.kernels.blas  # the same BLAS as the engine process
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load
@@ -87,7 +87,7 @@ def _env() -> dict:
 
 def bench_one(name: str, path: Path, dtype: str, n_req: int, prompt_len: int, n: int, reps: int,
               tmp: Path) -> dict:
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
 
     enc = load_model(path).encode
     prompts = tmp / f"{name}-prompts.jsonl"

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     if args.rank_out:
         return rank_main(args)
     import common
-    from divergence.tp_launch import launch
+    from divergence.parallel.launch import launch
 
     tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-tp-{os.getpid()}.json"
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -71,11 +71,11 @@ def rank_main(args) -> int:
 
     from divergence.core.events import Observer
     from divergence.core.request import Request
-    from divergence.engine import tp as tpmod
+    from divergence.parallel import env as tpenv, group as tpmod
     from divergence.engine.engine import Engine
 
     tp = tpmod.init_from_env(expected=2)
-    flags = Path(os.environ[tpmod.DIR_ENV])
+    flags = Path(os.environ[tpenv.DIR_ENV])
 
     class Counter(Observer):
         def __init__(self):
@@ -84,9 +84,10 @@ def rank_main(args) -> int:
         def on_allreduce(self, e):
             self.sizes.append(e.bytes)
 
-    class NoReduce(tpmod.TensorParallel):
-        def all_reduce(self, out, **_):
-            return out
+    class NoReduce(tpmod.TensorParallel):  # the partial sums, not added: what the all-reduce costs
+        def reduce_partial(self, dispatch, out, op, layer):
+            return out, tpmod.AllReduce(dispatch.step, dispatch.model, layer, op.name, self.size, int(out.nbytes),
+                                        self.backend)
 
     def barrier():
         mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=tp.group))
@@ -173,7 +174,7 @@ def _isolated_allreduce_s(tp, sizes: list[int], dtype: str) -> float:
 
     import mlx.core as mx
 
-    from divergence.engine.model import DTYPES
+    from divergence.engine.model.loading import DTYPES
 
     dt = DTYPES[dtype]
     per: dict[int, float] = {}

@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts: model resolution, prompts, timing, stats, output.
 
 Import this module first: it puts the repository on sys.path and imports
-`divergence.engine.model`, which loads the optimized BLAS before MLX.
+`divergence.engine.model.loading`, which loads the optimized BLAS before MLX.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ RESULTS = ROOT / "bench" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import divergence.engine.model as dmodel  # noqa: E402  (loads OpenBLAS before mlx)
+import divergence.engine.model.loading as dmodel  # noqa: E402  (loads OpenBLAS before mlx)
 
 try:  # prompts are windows of a long text: silence the tokenizer's max-length notice
     from transformers.utils import logging as _hf_logging
@@ -112,7 +112,7 @@ def token_stream(encode, min_len: int) -> list[int]:
     import json as _json
     import os.path as _osp
 
-    from divergence.prompts import DEMO_R2_PROMPT
+    from divergence.workloads.prompts import DEMO_R2_PROMPT
 
     texts = [DEMO_R2_PROMPT] + [getattr(builtins, n).__doc__ or "" for n in _CORPUS_OBJS]
     texts += [_json.dumps.__doc__ or "", _osp.join.__doc__ or "", _json.loads.__doc__ or ""]
@@ -263,7 +263,7 @@ def table(rows: list[list], header: list[str]) -> str:
 def meta(args) -> dict:
     import mlx_lm
 
-    from divergence.blas import blas_in_use
+    from divergence.engine.kernels.blas import blas_in_use
 
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

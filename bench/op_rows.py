@@ -24,11 +24,11 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.activations import swiglu  # noqa: E402
 
-from divergence.engine.forward import PackedForward  # noqa: E402
-from divergence.engine.model import load_model  # noqa: E402
+from divergence.engine.model.forward import PackedForward  # noqa: E402
+from divergence.engine.model.loading import load_model  # noqa: E402
 
 
-from divergence.engine.bits import raw_bits as _bits  # noqa: E402
+from divergence.engine.kernels.bits import raw_bits as _bits  # noqa: E402
 
 
 def rows_differ(fn, x: mx.array) -> list[int]:

@@ -3,7 +3,7 @@
 Importing this package imports neither MLX nor a BLAS. The public names are
 loaded on first use: `Trace` (reading traces: numpy and h5py only), and
 `load_model`, `Engine`, `Request` (the engine, which loads the optimized BLAS
-before MLX, see divergence.blas).
+before MLX, see divergence.engine.kernels.blas).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ _LAZY = {
     "Trace": "divergence.trace.reader",
     "Request": "divergence.core.request",
     "Sampling": "divergence.core.request",
-    "load_model": "divergence.engine.model",
+    "load_model": "divergence.engine.model.loading",
     "Engine": "divergence.engine.engine",
 }
 

@@ -10,7 +10,7 @@ import pytest
 # The optimized BLAS (where installed, as .ci/run does) before any test module imports
 # mlx at collection: a test file that does would leave the whole session on the
 # reference BLAS, and the OpenBLAS-dependent tests would test nothing.
-import divergence.blas  # noqa: F401,E402
+import divergence.engine.kernels.blas  # noqa: F401,E402
 
 pytest_plugins = ["pytester"]
 
@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def pytest_report_header(config):
     """Which kernels this session's fp32 results come from (.ci/blas-cores forces each core)."""
-    from divergence.blas import blas_core, blas_in_use, blas_threads
+    from divergence.engine.kernels.blas import blas_core, blas_in_use, blas_threads
 
     core = blas_core()
     return f"divergence BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads()} threads" if core else "")
@@ -27,7 +27,7 @@ def pytest_report_header(config):
 
 @pytest.fixture(scope="session")
 def target():
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
 
     return load_model(TARGET)
@@ -35,7 +35,7 @@ def target():
 
 @pytest.fixture(scope="session")
 def draft():
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import DRAFT
 
     return load_model(DRAFT)
@@ -43,7 +43,7 @@ def draft():
 
 @pytest.fixture(scope="session")
 def target_4bit():
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET_4BIT
 
     return load_model(TARGET_4BIT)
@@ -52,7 +52,7 @@ def target_4bit():
 @pytest.fixture(scope="session")
 def random_model(tmp_path_factory):
     """random_model(model_type, **kw) -> LoadedModel of a tiny random-weight model (cached)."""
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.testing.models import make_random_model
 
     made = {}

@@ -143,7 +143,7 @@ def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
 
     from divergence.core.request import Request
     from divergence.engine.engine import Engine
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.engine.sampling import float32
     from divergence.testing.models import make_random_model
 

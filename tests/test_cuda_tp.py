@@ -101,7 +101,7 @@ def _same_gpu() -> bool:
     recorded = _recorded("probe_tp2_fixture.json")
     if recorded is None:
         return False
-    from divergence.engine.environment import environment
+    from divergence.engine.kernels.environment import environment
 
     now, then = environment(), recorded["environment"]
     return now.get("device_name") == then.get("device_name") and now.get("mlx") == then.get("mlx")

@@ -26,7 +26,7 @@ from common import mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models.activations import swiglu  # noqa: E402
 
-from divergence.blas import blas_in_use, blas_threads  # noqa: E402
+from divergence.engine.kernels.blas import blas_in_use, blas_threads  # noqa: E402
 
 D, MLP, KV, VOCAB, LAYERS = 896, 4864, 128, 151936, 24
 PRODUCTS = {"q_proj/o_proj": (D, D), "k_proj/v_proj": (KV, D), "gate_proj/up_proj": (MLP, D),

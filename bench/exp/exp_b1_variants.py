@@ -63,7 +63,7 @@ def no_cache_roots():
 
     def f(*arrays):
         return ae(*arrays[: max(1, len(arrays) - n_cache.get("n", 0))])
-    from divergence.engine import kv_cache
+    from divergence.engine.model import kv_cache
     real = kv_cache.PagedKVCache.arrays
 
     def arrays(self):

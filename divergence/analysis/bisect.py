@@ -60,7 +60,7 @@ class StepView:
     composition: list[dict]  # request_id, phase, start, count, row_offset
     kernel: str  # label of the op named by the root cause, e.g. "gemm/4"
     kernels: dict  # op -> kernel label (first layer where the op ran; lm_head included)
-    # op -> (rows, native class signature) where the op ran natively (see engine.native_classes)
+    # op -> (rows, native class signature) where the op ran natively (see engine.kernels.native_classes)
     native: dict = field(default_factory=dict)
     attention_class: int = 0  # probed class of the step's attention kernel; 0 = unknown / no decode rows
 
@@ -409,13 +409,13 @@ def _routing_flip(a, b, rd: RequestDiff):
 def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
                   bitwise: bool = False, op_finder=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
-    replays B with the root-cause step forced to A's kernels (see analysis.replay).
+    replays B with the root-cause step forced to A's kernels (see analysis.replayer).
     Traces without KV hashes need `replay_bisector(request_diff)` -> ReplayBisection (or the
     tuple of its fields): a binary search over steps by replay
-    (analysis.replay.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
+    (analysis.replayer.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
     bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
     op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
-    steps recording every op's output rows (analysis.replay.make_op_finder)."""
+    steps recording every op's output rows (analysis.replayer.make_op_finder)."""
     d = diff_traces(a, b, bitwise=bitwise)
     causes: dict[str, RootCause] = {}
     unexplained: dict[str, str] = {}

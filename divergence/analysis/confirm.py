@@ -3,7 +3,7 @@ A's ran it, and check that B then matches A up to the divergence (each replay fi
 to be B with only that change: analysis.rerun_check). Forcing means A's
 kernels, or each request of the step alone (SOLO), or A's very rows (RelayoutStep)
 where the backend's kernels depend on the row count; a sampled flip that the draft
-decided is proven at that draw. Engine-free: it drives a `Replayer` (analysis.replay)."""
+decided is proven at that draw. Engine-free: it drives a `Replayer` (analysis.replayer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -50,7 +50,7 @@ class Reproduction:
 
 
 def reproduction(want: dict, here: dict) -> Reproduction:
-    """What a process whose environment is `here` (analysis.replay.this_process(); {} for a
+    """What a process whose environment is `here` (analysis.replayer.this_process(); {} for a
     child told everything) needs to compute under `want` (a trace's recorded environment).
     Fields `want` does not record (traces of older versions, other engines) are not asked."""
     out = Reproduction()

@@ -1,6 +1,6 @@
 """The first op whose output bits differ between A's and B's root-cause step.
 
-Replay (analysis.replay.op_outputs) records, for one request, every op's output
+Replay (analysis.replayer.op_outputs) records, for one request, every op's output
 rows of one step on each side (norms, each linear op, RoPE, attention, SwiGLU,
 residual adds, in forward order). Here the two recordings are compared position
 by position: "layer 0 k_proj rows 9-12 differ first (max |Δ| 3.1e-3);

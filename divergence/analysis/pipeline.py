@@ -65,12 +65,12 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
     confirmer = bisector = op_finder = None
     closers = []
     if opts.confirm_cmd:  # the user's engine confirms (traces of other engines)
-        from .confirm_cmd import make_command_confirmer
+        from .confirm_command import make_command_confirmer
 
         confirmer = make_command_confirmer(a, b, opts.confirm_cmd, *labels, keep=opts.keep)
     elif opts.replay and (opts.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not foreign(a, b)):
         # (--confirm on another engine's traces: check_replayable refuses them, in one line)
-        from .replay import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
+        from .replayer import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
 
         if opts.confirm or ops:
             check_replayable(a)

@@ -119,7 +119,7 @@ def tp_lines(c: RootCause) -> list[str]:
     if not t:
         return []
     da, db = t["degrees"]
-    ar = t.get("all_reduce") or {}
+    ar = t.get("allreduce") or {}
     side = "B" if db > 1 else "A"
     red = (f"{ar['count']} all-reduces in {side}'s step ({ar['backend']}, {ar['ranks']} ranks, "
            f"{ar['bytes']} bytes per rank)") if ar else "all-reduces"

@@ -2,7 +2,7 @@
 cause is (the sharded ops and their all-reduces), and its proof by replay: the TP
 side re-run with its sharded-to-all ops unsharded (one device's sum, no all-reduce),
 then, if that is not enough, every sharded op unsharded. Numpy only; replays go
-through analysis.replay (the one door to the engine)."""
+through analysis.replayer (the one door to the engine)."""
 from __future__ import annotations
 
 import numpy as np
@@ -64,7 +64,7 @@ def describe(a, b, cause) -> dict | None:
         return None
     tp_side, step = (b, cause.b.step) if db > 1 else (a, cause.a.step)
     return {"degrees": [da, db], "sharded_to_all": list(SHARDED_TO_ALL_OPS),
-            "all_reduce": allreduce_summary(tp_side, step),
+            "allreduce": allreduce_summary(tp_side, step),
             "shapes_a": shard_shapes(a, cause.a.step), "shapes_b": shard_shapes(b, cause.b.step)}
 
 

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        from .tp_cli import distribute
+        from ..parallel.ranks import distribute
+        from .common import default_model_dirs
 
         from .reexec import run_under_recorded_environment, run_under_requested_core
 
@@ -110,7 +111,8 @@ def main(argv=None) -> int:
         code = run_under_recorded_environment(args, argv)  # traces of another OpenBLAS core
         if code is not None:
             return code
-        code = distribute(args, argv)  # --tp: start the ranks here, or run as one of them
+        # --tp: start the ranks here, or run as one of them
+        code = distribute(args, argv, default_model_dirs())
         if code is not None:
             return code
         from .progress import replay_progress

@@ -18,8 +18,8 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..engine.model import load_model
-    from ..probe import parse_rows, probe_model
+    from ..engine.model.loading import load_model
+    from ..workloads.probe import parse_rows, probe_model
 
     rows = parse_rows(_no_empty_items(args.rows, "--rows"))
     if args.tp is not None and args.tp > 1:
@@ -56,9 +56,9 @@ def _probe_tp(args, rows) -> int:
 
     import mlx.core as mx
 
-    from ..engine.model import DTYPES, read_config
-    from ..engine.tp import current
-    from ..tp_probe import probe_tp
+    from ..engine.model.loading import DTYPES, read_config
+    from ..parallel.group import current
+    from ..parallel.allreduce_probe import probe_tp
 
     target_dir, _ = default_model_dirs()
     model = Path(args.model or target_dir)
@@ -77,5 +77,5 @@ def _probe_tp(args, rows) -> int:
         order = o["equals_rank_order"]
         same = "every row count" if all(order) else ("no row count" if not any(order) else
                                                      f"{sum(order)} of {len(order)} row counts")
-        print(f"  all_reduce {o['shape']} {o['dtype']}  {o['summary']}; equals the rank-order sum at {same}")
+        print(f"  all-reduce {o['shape']} {o['dtype']}  {o['summary']}; equals the rank-order sum at {same}")
     return 0

@@ -43,12 +43,12 @@ class StepLine(Observer):
 
 @contextlib.contextmanager
 def replay_progress(what: str = "replaying"):
-    """While inside, every replay (divergence.analysis.replay.Replayer) shows a StepLine on a
-    terminal (through analysis.replay.REPLAY_PROGRESS); elsewhere nothing changes."""
+    """While inside, every replay (divergence.analysis.replayer.Replayer) shows a StepLine on a
+    terminal (through analysis.replayer.REPLAY_PROGRESS); elsewhere nothing changes."""
     if not on_tty():
         yield
         return
-    from ..analysis.replay import REPLAY_PROGRESS
+    from ..analysis.replayer import REPLAY_PROGRESS
 
     def line(trace):
         try:

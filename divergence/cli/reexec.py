@@ -34,7 +34,7 @@ def run_under_recorded_environment(args, argv) -> int | None:
     paths = replayed_traces(args)
     if not paths or os.environ.get(REEXEC_ENV):
         return None
-    from ..analysis.replay import this_process  # loads the BLAS: only for a command that replays
+    from ..analysis.replayer import this_process  # loads the BLAS: only for a command that replays
     from ..analysis.environment import BLAS_FIELDS  # noqa: E402
     from ..trace.reader import Trace
 
@@ -78,10 +78,10 @@ def run_under_requested_core(args, argv) -> int | None:
     problem = core_problem(core)
     if problem:
         raise EnvironmentMismatchError(f"--blas-core {core}: {problem}")
-    if "divergence.blas" not in sys.modules:
+    if "divergence.engine.kernels.blas" not in sys.modules:
         os.environ[CORE_ENV] = core  # read when the library loads, just below
         return None
-    from ..blas import blas_core
+    from ..engine.kernels.blas import blas_core
 
     if (blas_core() or "").lower() == core.lower() or os.environ.get(REEXEC_ENV):
         return None

@@ -42,7 +42,7 @@ def _force_help() -> str:
 
 
 def main(args) -> int:
-    from ..analysis.replay import replay
+    from ..analysis.replayer import replay
     from .paths import check_output_file
 
     if args.out:  # before any work: not the input trace, not a directory, in a writable place
@@ -161,7 +161,7 @@ def _tap(args) -> int:
     """--tap STEP:REQUEST --tap-out FILE: one step's op output rows for one request, recorded
     by a replay up to that step (analysis.environment_confirm reads them)."""
     from ..analysis.environment_confirm import save_tap
-    from ..analysis.replay import Replayer
+    from ..analysis.replayer import Replayer
     from ..errors import DivergenceInputError
     from ..trace.reader import Trace
 

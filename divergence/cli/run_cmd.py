@@ -51,14 +51,15 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from ..analysis.diff import diff_traces
-    from ..engine.dispatch import KernelPolicy
+    from ..engine.kernels.dispatch import KernelPolicy
     from ..core.names import SCHEDULES
-    from ..prompts import builtin_requests, load_prompts
-    from ..runner import RunConfig, load_models, run_schedules
-    from .tp_cli import is_writer, tp_degree
+    from ..workloads.prompts import builtin_requests, load_prompts
+    from ..workloads.runner import RunConfig, load_models, run_schedules
+    from ..parallel.env import is_writer
+    from ..parallel.ranks import tp_degree
     from ..trace.reader import Trace
 
-    from ..blas import blas_problem
+    from ..engine.kernels.blas import blas_problem
     from ..errors import DivergenceInputError
 
     if blas_problem():  # DIVERGENCE_BLAS names nothing loadable: say so, don't run on another BLAS
@@ -78,7 +79,7 @@ def main(args) -> int:
     spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
     if args.top_k < 1:
         raise PromptError("--top-k must be >= 1")
-    from ..prompts import sampling_defaults
+    from ..workloads.prompts import sampling_defaults
 
     sampling = sampling_defaults(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -97,28 +98,28 @@ def main(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PromptError(f"--out {out} exists and is not a directory")
-    from ..runner import make_engine, validate
+    from ..workloads.runner import make_engine, validate
 
     validate(make_engine(cfg), requests)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    from ..blas import blas_in_use, blas_threads as blas_threads_now
+    from ..engine.kernels.blas import blas_in_use, blas_threads as blas_threads_now
 
     say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
         + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
     blas_threads = check_blas_request(args)
-    from ..blas import blas_core
+    from ..engine.kernels.blas import blas_core
 
     core = blas_core()
     say(f"BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads or blas_threads_now()} threads" if core else ""))
     if cfg.tp > 1:
-        from ..engine.tp import current
+        from ..parallel.group import current
 
         t = current()
         say(f"tensor parallel: {t.size} ranks over {t.backend} ({t.launcher}); rank 0 writes the traces")
     if demo and args.policy is None:
         say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
             "on a CPU whose own kernels are batch-invariant")
-    from ..blas import using_blas_threads
+    from ..engine.kernels.blas import using_blas_threads
 
     with using_blas_threads(blas_threads):
         results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
@@ -167,7 +168,7 @@ def main(args) -> int:
 def check_blas_request(args) -> int | None:
     """--blas-core / --blas-threads, once the BLAS has loaded (cli/reexec.py set the core
     before it did): the core OpenBLAS runs must be the one asked for. The thread count."""
-    from ..blas import blas_core, blas_in_use, blas_threads
+    from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads
 
     if (args.blas_core or args.blas_threads) and blas_threads() is None:
         raise PromptError(f"--blas-core / --blas-threads set OpenBLAS, and this run uses {blas_in_use()}")

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..engine.dispatch import KernelPolicy
+    from ..engine.kernels.dispatch import KernelPolicy
 
     KernelPolicy.parse(args.policy)
     for flag, v, lo in (("--port", args.port, 0), ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 1),
@@ -52,7 +52,7 @@ def main(args) -> int:
 
     check_output_dir(args.trace_dir, flag="--trace-dir")
     from ..engine.engine import Engine
-    from ..runner import RunConfig
+    from ..workloads.runner import RunConfig
 
     cfg = RunConfig(model=args.model or target_dir, draft=(args.draft or draft_dir) if spec_k else None,
                     dtype=args.dtype, policy=args.policy, spec_k=spec_k, token_budget=args.token_budget,

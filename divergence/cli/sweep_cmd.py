@@ -24,10 +24,10 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     from ..errors import PromptError
-    from ..runner import RunConfig, load_models, make_engine
-    from ..sweep import sweep
+    from ..workloads.runner import RunConfig, load_models, make_engine
+    from ..workloads.sweep import sweep
 
-    from ..sweep import MAX_BATCH
+    from ..workloads.sweep import MAX_BATCH
 
     if not 1 <= args.max_batch <= MAX_BATCH:
         raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")

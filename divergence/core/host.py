@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import os
 
-# How many parts the engine splits a CPU product into (engine/cpu_split.py): 1 turns the
+# How many parts the engine splits a CPU product into (engine/kernels/splits.py): 1 turns the
 # split off; the tensor-parallel launcher gives each rank its share of the cores.
 CPU_SPLIT_ENV = "DIVERGENCE_CPU_SPLIT"
 
-# Which BLAS the engine loads before MLX (divergence/blas.py): "reference" keeps MLX's bundled
+# Which BLAS the engine loads before MLX (divergence/engine/kernels/blas.py): "reference" keeps MLX's bundled
 # one, a path names a libblas; and which core OpenBLAS (DYNAMIC_ARCH) runs, else its pick for
 # this CPU. Both are read when the library loads: a process cannot switch them later.
 BLAS_ENV = "DIVERGENCE_BLAS"

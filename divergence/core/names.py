@@ -81,7 +81,7 @@ REQUEST_EVENTS = ("arrived", "finished", "error", "cancelled")
 # `divergence import`, docs/recording.md), in the order a step's records come.
 RECORD_KINDS = ("run", "request", "step", "kernel", "kv_write", "token", "finish")
 
-# mx.distributed backends an all-reduce ran on (tensor parallelism).
+# the collective backends an all-reduce ran on (tensor parallelism: divergence.parallel).
 TP_BACKENDS = ("ring", "mpi", "nccl", "jaccl", "single")
 
 # What a sampler's uniform draw was for (index = the engine's purpose number).
@@ -94,6 +94,6 @@ LOGPROBS = "logprobs"
 TOPK_VALUES = (LOGITS, LOGPROBS)
 
 # Other engines whose traces the engine can re-execute: mlx-lm's BatchGenerator, traced
-# through divergence.mlxlm_batch (replay runs its step plans with its prefill layout).
+# through divergence.workloads.mlxlm_batch (replay runs its step plans with its prefill layout).
 BATCH_GENERATOR = "mlx-lm BatchGenerator"
 REPLAYABLE_ENGINES = (BATCH_GENERATOR,)

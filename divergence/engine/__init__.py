@@ -1,3 +1,3 @@
 """The batched inference engine. Importing it loads the optimized BLAS (where
 present) before MLX, so every engine module sees the same BLAS."""
-from .. import blas as _blas  # noqa: F401  (must precede any mlx import)
+from .kernels import blas as _blas  # noqa: F401  (must precede any mlx import)

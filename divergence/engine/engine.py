@@ -13,13 +13,13 @@ from ..core.events import Observer
 from ..core.names import LOGITS, SCHEDULES, TOPK_VALUES
 from ..core.request import Request
 from ..errors import PromptError, ReplayError
-from .dispatch import KernelPolicy
-from .environment import environment
-from .forward import PackedForward
-from .model import LoadedModel, load_cached
+from .kernels.dispatch import KernelPolicy
+from .kernels.environment import environment
+from .model.forward import PackedForward
+from .model.loading import LoadedModel, load_cached
 from .results import RequestOutput, RunResult
 from .run import Run
-from .scheduler import PREFILL_LAYOUTS, WHOLE
+from .sched.scheduler import PREFILL_LAYOUTS, WHOLE
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "Run", "environment"]
 
@@ -48,7 +48,7 @@ class Engine:
         overlap: bool = True,
         topk_values: str = LOGITS,
     ):
-        """tp: engine.tp.TensorParallel of this process's group (None: one device).
+        """tp: the parallel.group.TensorParallel of this process's group (None: one device).
         prefill: where the prompt's last token is computed, "whole" (in the prefill) or
         "mlx-lm" (in the first decode step, as mlx-lm does: at one request the engine's
         numbers are then mlx-lm's on any backend; see scheduler.PREFILL_LAYOUTS).
@@ -90,16 +90,13 @@ class Engine:
             raise ModelLoadError(f"the draft {self.draft.path} has a vocabulary of {self._draft_fwd.head.n} ids, the "
                                  f"target {target.path} {self._target_fwd.head.n}: a draft must share the target's "
                                  f"vocabulary")
-        # tensor parallel: shard both models for this rank; its all-reduces are events
-        # like kernel choices
+        # tensor parallel: both models sharded for this rank (their dispatchers then
+        # record each all-reduce like a kernel choice)
         self.tp = tp if tp is not None and tp.size > 1 else None
         if self.tp is not None:
-            from .tp import shard_forward
-
             for fwd in (self._target_fwd, self._draft_fwd):
                 if fwd is not None:
-                    shard_forward(fwd, self.tp, keep_full=self.tp.keep_full)
-            self.tp.emit = lambda e: self._emit("on_allreduce", e)
+                    self.tp.shard(fwd)
         eos = getattr(target.tokenizer, "eos_token_ids", None) or []
         self.eos_ids = set(int(t) for t in eos)
         self.vocab = self._target_fwd.head.n
@@ -176,7 +173,7 @@ class Engine:
         return Run(self, requests, schedule, bad=bad).execute()
 
     def recorded_run(self, requests: list[Request], schedule: str, *, forced: dict | None = None) -> Run:
-        """A run that replay drives with a trace's recorded plans (see Run.step_recorded);
+        """A run that replay drives with a trace's recorded plans (see replay.step_recorded);
         `forced`: step -> kernel policy (or SOLO), as `replay --force` parses them."""
         return Run(self, requests, schedule, forced=forced, recorded=True)
 

@@ -1,7 +1,7 @@
 """KV writes as events: per-position hashes of the exact bytes a step stored, and the
 writes a prefix hit inherits from the request that computed the shared blocks.
 
-Public: `kv_writes` is also what the mlx-lm adapter (divergence.mlxlm_batch) uses,
+Public: `kv_writes` is also what the mlx-lm adapter (divergence.workloads.mlxlm_batch) uses,
 so its traces hash K/V exactly as the engine's do.
 """
 from __future__ import annotations

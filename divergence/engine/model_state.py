@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import mlx.core as mx
 from ..core.policy import KernelPolicy
-from .dispatch import KernelDispatcher
+from .kernels.dispatch import KernelDispatcher
 from ..core.events import StepPlan
-from .forward import PackedForward, StepOutput
-from .kv_cache import BlockManager
-from .model import LoadedModel
-from .moe import merge_routing
+from .model.forward import PackedForward, StepOutput
+from .sched.blocks import BlockManager
+from .model.loading import LoadedModel
+from .model.moe import merge_routing
 
 
 class ModelState:
@@ -25,12 +25,10 @@ class ModelState:
         self.name = name
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.cache = forward.make_cache(num_blocks, block_size)
-        self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes, forward.attention_classes)
+        # tensor parallel: the forward was sharded for this rank and holds its group
+        self.dispatch = KernelDispatcher(policy, name, emit, forward.native_classes, forward.attention_classes,
+                                         parallel=getattr(forward, "tp", None))
         self.tap = None  # optional per-op output tap for every forward of this state (see forward.py)
-        if getattr(forward, "tp", None) is not None:  # tensor parallel: all-reduce, unsharded replay
-            from .tp import attach
-
-            attach(self.dispatch, forward.tp)
 
     def forward_step(self, plan: StepPlan, *, keep_kv: bool, keep_routing: bool = False,
                      tokens: mx.array | None = None) -> StepOutput:

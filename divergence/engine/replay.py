@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import sampling as smp
-from .dispatch import KernelPolicy
+from .kernels.dispatch import KernelPolicy
 from .engine import Engine, RequestOutput, RunResult
 from ..core.events import DRAFT_MODEL, VERIFY, RequestEvent, StepPlan
 from ..core.names import DRAW_PURPOSES
 from ..core.request import Request
+from .run import Launch, Run
+from .sched.scheduler import admit_recorded
 
 
 @dataclass(frozen=True)
@@ -91,14 +93,13 @@ def replay_plans(
     draws: dict | None = None,
     tap: "OpTap | None" = None,
     stop_after: int | None = None,
+    admit_at: dict | None = None,
 ) -> RunResult:
-    """draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
-    op outputs for one request. stop_after: end after that step."""
-    recorded = _first_starts(plans)
-    plans, sites, forced = relayout(plans, sites, dict(forced or {}), requests)
-    # a relayout that recomputes part of a prefix hit (from past 0) still admits the request at
-    # the recorded hit, and writes over the shared blocks
-    admit_at = {key: recorded[key] for key, start in _first_starts(plans).items() if 0 < start < recorded[key]}
+    """Run `plans` as recorded (a forcing's relayout is already applied: analysis/relayout.py).
+    draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
+    op outputs for one request. stop_after: end after that step. admit_at: (model,
+    request) -> where to admit a request whose first slice starts later (a relayout
+    that recomputes part of a prefix hit)."""
     run = engine.recorded_run(requests, schedule, forced=forced)  # recorded under the original schedule's name
     last_seen: dict[str, int] = {}
     reserve = {r.id: 0 for r in requests}
@@ -119,8 +120,8 @@ def replay_plans(
     try:
         for plan in plans:
             tapping = tap is not None and plan.index == tap.step
-            launch, sampled = run.step_recorded(plan, reserve, tap=tap.bind(plan) if tapping else None,
-                                                admit_at=admit_at)
+            launch, sampled = step_recorded(run, plan, reserve, tap=tap.bind(plan) if tapping else None,
+                                            admit_at=admit_at or {})
             if tapping:
                 tap.finish()
             if plan.model == DRAFT_MODEL:
@@ -232,7 +233,7 @@ class _Decisions:
             self.generated[site.request_id].append(tok)
             self.topk[site.request_id][0].append(ev.topk_ids)
             self.topk[site.request_id][1].append(ev.topk_logits)
-            self.run.e._emit("on_token", ev)
+            self.run.emit_token(ev)
 
 
 def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
@@ -254,81 +255,33 @@ def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
     return out
 
 
-def _first_starts(plans: list[StepPlan]) -> dict[tuple[str, str], int]:
-    """(model, request) -> the start of the request's first slice."""
-    out: dict[tuple[str, str], int] = {}
-    for p in plans:
-        for s in p.slices:
-            out.setdefault((p.model, s.request_id), s.start)
-    return out
+def step_recorded(run: Run, plan: StepPlan, reserve: dict[str, int], *, tap=None,
+                  admit_at: dict | None = None) -> tuple[Launch, smp.Sampled]:
+    """Replay: run a recorded plan exactly (teacher-forced), admitting its requests as the
+    recording did; returns the collected step (kernels and KV writes emitted). tap: the
+    forward's per-op output tap for this step (see forward.py). admit_at: (model, request) ->
+    the position to admit it at, where it is not its first slice's start (a relayout
+    recomputing part of a recorded prefix hit)."""
+    state = run.state(plan.model)
+    prefix = state.blocks.prefix_caching
+    for s in plan.slices:
+        if s.request_id not in state.blocks.tables:
+            start = (admit_at or {}).get((plan.model, s.request_id), s.start)
+            matched = admit_recorded(state.blocks, run.by_id[s.request_id], reserve[s.request_id], start,
+                                     prefix=prefix)
+            if matched and run.want_kv:
+                run.emit_shared(s.request_id, matched)
+    state.tap = tap
+    try:
+        launch = run.launch(state, plan, full_rows=run.full_rows(plan), want_topk=plan.model != DRAFT_MODEL)
+    finally:
+        state.tap = None
+    run.follow(plan)
+    sampled = run.collect(launch)
+    if prefix:
+        for s in plan.slices:
+            if s.phase == "prefill":
+                state.blocks.register_prefix(s.request_id, run.by_id[s.request_id].prompt_tokens,
+                                             s.start + s.count)
+    return launch, sampled
 
-
-def relayout(plans: list[StepPlan], sites: list, forced: dict, requests) -> tuple[list, list, dict]:
-    """Apply each RelayoutStep: at its step the request's slice covers [start, end) (input
-    tokens from the prompt and the plans), its slices in later target steps lose those
-    positions (a step left empty is dropped), and the token sites whose logit rows moved
-    follow them. The dispatcher sees SOLO for the step. Returns (plans, sites, forced)."""
-    from dataclasses import replace
-
-    from ..core.policy import SOLO, RelayoutStep
-
-    todo = {k: v for k, v in forced.items() if isinstance(v, RelayoutStep)}
-    if not todo:
-        return plans, sites, forced
-    token_at: dict[tuple[str, int], int] = {}
-    for r in requests:
-        for i, t in enumerate(r.prompt_tokens):
-            token_at[(r.id, i)] = int(t)
-    for p in plans:
-        if p.model != DRAFT_MODEL:
-            for s in p.slices:
-                for i, t in enumerate(s.tokens):
-                    token_at.setdefault((s.request_id, s.start + i), int(t))
-    moved: dict[tuple[str, int], int] = {}  # (request, predicted position) -> the step that now computes it
-    # request -> [(step, start, end)]: the spans already computed ahead (a prefill laid out as
-    # the other trace's chunks is several relayouts of one request, one a step)
-    taken: dict[str, list[tuple[int, int, int]]] = {}
-    out = []
-    for p in plans:
-        rl = todo.get(p.index)
-        slices, row = [], 0
-        for s in p.slices:
-            if p.model != DRAFT_MODEL and rl is not None and s.request_id == rl.request_id:
-                predicted = {s.start + lr + 1 for lr in s.logit_rows}
-                # logit rows of later slices inside the new spans come here too
-                for q in plans:
-                    if q.index > p.index and q.model != DRAFT_MODEL:
-                        for t in q.slices:
-                            if t.request_id == s.request_id:
-                                predicted |= {t.start + lr + 1 for lr in t.logit_rows
-                                              if any(a <= t.start + lr < b for a, b in rl.spans)}
-                # one slice per pass, in order (the step runs request by request: SOLO runs each
-                # slice as its own forward pass)
-                for a, b in rl.spans:
-                    toks = tuple(token_at[(s.request_id, x)] for x in range(a, b))
-                    rows = tuple(sorted(x - 1 - a for x in predicted if a <= x - 1 < b))
-                    for x in predicted:
-                        if a <= x - 1 < b:  # the rows this pass computes
-                            moved[(s.request_id, x)] = p.index
-                    slices.append(replace(s, start=a, count=b - a, tokens=toks, logit_rows=rows, row_offset=row))
-                    row += b - a
-                    taken.setdefault(s.request_id, []).append((p.index, a, b))
-                continue
-            elif p.model != DRAFT_MODEL and s.request_id in taken:
-                spans = [(lo, hi) for at, lo, hi in taken[s.request_id] if at < p.index]
-                keep = [x for x in range(s.start, s.start + s.count) if not any(lo <= x < hi for lo, hi in spans)]
-                if not keep:
-                    continue
-                if keep != list(range(keep[0], keep[-1] + 1)):
-                    raise ValueError(f"relayout of {s.request_id!r} leaves step {p.index} a split slice")
-                cut = keep[0] - s.start
-                s = replace(s, start=keep[0], count=len(keep), tokens=s.tokens[cut: cut + len(keep)],
-                            logit_rows=tuple(lr - cut for lr in s.logit_rows if 0 <= lr - cut < len(keep)))
-            slices.append(replace(s, row_offset=row))
-            row += s.count
-        if slices:
-            out.append(replace(p, slices=tuple(slices)))
-    sites = [replace(x, step=moved[(x.request_id, x.position)]) if (x.request_id, x.position) in moved else x
-             for x in sites]
-    forced = {k: (SOLO if isinstance(v, RelayoutStep) else v) for k, v in forced.items()}
-    return out, sites, forced

@@ -14,19 +14,19 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..core.events import (
-    DRAFT_MODEL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, KernelChoice, RequestEvent, RunInfo,
-    StepEvent, StepPlan,
+    DRAFT_MODEL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, AllReduce, KernelChoice, RequestEvent,
+    RunInfo, StepEvent, StepPlan,
 )
-from ..core.names import CONCURRENT, SERIAL, WARM, WARMUP_PREFIX
+from ..core.names import WARM, WARMUP_PREFIX
 from ..core.request import Request
 from . import sampling as smp
-from .environment import environment
+from .kernels.environment import environment
 from .kv_events import KvLog, StepKv, kv_writes
 from .model_state import ModelState
-from .moe import routing_events
+from .model.moe import routing_events
 from .results import RequestOutput, RunResult
-from .scheduler import MLX_LM, Scheduler, Work, admit_recorded
-from .sequence import Sequence
+from .sched.scheduler import MLX_LM, Scheduler, Work, blocks_needed, phases
+from .sched.sequence import Sequence
 from .spec_round import SpecRound
 from .speculative import Proposal, accept_greedy, accept_sampled
 
@@ -48,9 +48,9 @@ class Launch:
 class Run:
     """One execution of a request list; holds all per-run state.
 
-    `execute()` schedules and runs everything. Replay drives the same object step by
-    step instead: `start()`, then per recorded plan `step_recorded(plan, reserve)` and
-    `close(launch)`, emitting its tokens with `emit_token`, then `end(completed)`.
+    `execute()` schedules and runs everything. Replay (replay.py) drives the same
+    object through its public steps instead: `start()`, then per recorded plan
+    `launch` / `collect` / `close`, emitting its tokens with `emit_token`, then `end(completed)`.
     """
 
     def __init__(self, engine, requests: list[Request], schedule: str, *, bad: dict[str, str] | None = None,
@@ -60,17 +60,16 @@ class Run:
         self.requests = list(requests)
         self.bad = dict(bad or {})
         self.seqs = [self._sequence(r) for r in requests if r.id not in self.bad]
-        extra = engine.spec_k + 1
-        # warm needs room for its warm-up copies too (replay's requests already hold them)
-        factor = 2 if schedule == WARM and not recorded else 1
-        need = factor * sum(-(-(s.prompt_len + s.request.max_tokens + extra) // engine.block_size)
-                            for s in self.seqs)
-        num_blocks = engine.num_blocks or max(need, 1)
+        # the schedule's phases: warm is a batched warm-up of the same prompts, then the run
+        # (replay's requests already hold the warm-up: it runs the recorded plans as they are)
+        self.phases = [(self.seqs, schedule)] if recorded else phases(self.seqs, schedule, self._sequence)
+        num_blocks = engine.num_blocks or blocks_needed(self.seqs, engine.block_size, engine.spec_k + 1,
+                                                        copies=len(self.phases))
         self.want_kv = engine._wants("wants_kv_hashes")
         self.want_routing = engine._wants("wants_routing")
         self.want_records = engine._wants("wants_records")
         self._kbuf: list[tuple[str, object]] | None = None
-        emit_k = self._on_kernel if engine._wants("wants_kernels") else None
+        emit_k = self._on_dispatch if engine._wants("wants_kernels") else None
         prefix = engine.prefix_caching or schedule == WARM
         self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
                                  engine.block_size, prefix, emit_k)
@@ -81,14 +80,8 @@ class Run:
         for st in (self.target, self.draft):
             if st is not None:
                 st.dispatch.forced = dict(forced or {})
-        # warm: the cache is first filled by other requests (the same prompts, batched),
-        # then the requests run serially on top of it: "cold vs warm" as one more schedule.
-        self.phases = [(self.seqs, schedule)]
-        if schedule == WARM and not recorded:
-            warm = [self._sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1))
-                    for q in self.seqs]
-            self.phases = [(warm, CONCURRENT), (self.seqs, SERIAL)]
-            self.requests = [q.request for q in warm] + self.requests
+        # the warm-up's requests come first, as the trace lists them
+        self.requests = [q.request for seqs, _ in self.phases[:-1] for q in seqs] + self.requests
         self.kv_log = KvLog(self.target.forward.num_layers)
         self.by_id = {r.id: r for r in self.requests}
         self.step = 0  # index of the next step to plan
@@ -156,14 +149,15 @@ class Run:
             self._arrived(admitted)
             decoding = [w.seq for w in work if not w.prefill]
             if self.draft is not None and decoding:
-                SpecRound(self, sched, work, decoding).execute()
+                verify, sampled, proposals = SpecRound(self, sched, work, decoding).execute()
+                self.proposals.update(proposals)
+                self.commit(sched, verify, sampled)
             else:
-                plan = sched.target_plan(self.step, work)
+                plan = sched.target_plan(self.take_step(), work)
                 if ahead is not None and _same_layout(ahead.plan, plan):
                     launch, launch.plan = ahead, plan  # the guess holds: its input tokens were right
                 else:
                     launch = self.launch(self.target, plan, full_rows=self.full_rows(plan))
-                self.step += 1
                 ahead = None
                 nxt = sched.next_decode(work, clock) if self.e.overlap else None
                 if nxt is not None and all(w.seq.request.sampling.greedy for w in nxt):
@@ -176,6 +170,11 @@ class Run:
         """Whether the loop plans another step; a run that takes requests while it runs
         (serve.live.LiveRun) adds them to `sched` here, between steps."""
         return not sched.done()
+
+    def take_step(self) -> int:
+        """The index of the next step, taken by the plan about to be launched."""
+        self.step += 1
+        return self.step - 1
 
     def _launch_ahead(self, sched: Scheduler, launch: Launch, nxt: list[Work]) -> Launch:
         """Queue the next decode step, its input tokens taken on the device from this one."""
@@ -219,15 +218,10 @@ class Run:
         t0 = time.perf_counter()
         kbuf: list[tuple[str, object]] = []
         self._kbuf = kbuf  # events the graph build emits wait for the step's collect
-        tp, tp_emit = self.e.tp, None
-        if tp is not None:
-            tp_emit, tp.emit = tp.emit, (lambda ev: kbuf.append(("on_allreduce", ev)))
         try:
             out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing, tokens=tokens)
         finally:
             self._kbuf = None
-            if tp is not None:
-                tp.emit = tp_emit
         ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk,
                                    values=self.e.topk_values)
         kv = StepKv.of(out.k_written, out.v_written) if self.want_kv else None
@@ -277,48 +271,22 @@ class Run:
     def emit_request(self, event: RequestEvent) -> None:
         self.e._emit("on_request", event)
 
-    def step_recorded(self, plan: StepPlan, reserve: dict[str, int], *, tap=None,
-                      admit_at: dict | None = None) -> tuple[Launch, smp.Sampled]:
-        """Replay: run a recorded plan exactly (teacher-forced), admitting its requests as the
-        recording did; returns the collected step (kernels and KV writes emitted). tap: the
-        forward's per-op output tap for this step (see forward.py). admit_at: (model, request) ->
-        the position to admit it at, where it is not its first slice's start (a relayout
-        recomputing part of a recorded prefix hit)."""
-        state = self.state(plan.model)
-        prefix = state.blocks.prefix_caching
-        for s in plan.slices:
-            if s.request_id not in state.blocks.tables:
-                start = (admit_at or {}).get((plan.model, s.request_id), s.start)
-                matched = admit_recorded(state.blocks, self.by_id[s.request_id], reserve[s.request_id], start,
-                                         prefix=prefix)
-                if matched and self.want_kv:
-                    self._emit_shared(s.request_id, matched)
-        state.tap = tap
-        try:
-            launch = self.launch(state, plan, full_rows=self.full_rows(plan), want_topk=plan.model != DRAFT_MODEL)
-        finally:
-            state.tap = None
+    def follow(self, plan: StepPlan) -> None:
+        """A recorded plan is being run (replay): the step counter is its index."""
         self.step = plan.index + 1
-        sampled = self.collect(launch)
-        if prefix:
-            for s in plan.slices:
-                if s.phase == "prefill":
-                    state.blocks.register_prefix(s.request_id, self.by_id[s.request_id].prompt_tokens,
-                                                 s.start + s.count)
-        return launch, sampled
 
     # -- commits and events ----------------------------------------------------------------
-    def _on_kernel(self, choice: KernelChoice) -> None:
+    def _on_dispatch(self, event: KernelChoice | AllReduce) -> None:
         if self._kbuf is not None:
-            self._kbuf.append(("on_kernel", choice))
+            self._kbuf.append(("on_allreduce" if isinstance(event, AllReduce) else "on_kernel", event))
 
     def _arrived(self, admitted: list[Sequence]) -> None:
         for seq in admitted:
             self.e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
             if seq.num_cached and self.want_kv:
-                self._emit_shared(seq.id, seq.num_cached)
+                self.emit_shared(seq.id, seq.num_cached)
 
-    def _emit_shared(self, rid: str, cached: int) -> None:
+    def emit_shared(self, rid: str, cached: int) -> None:
         """A prefix hit reads K/V that another request wrote: record them as this request's
         live writes, with the step that really wrote them."""
         blocks = self.target.blocks

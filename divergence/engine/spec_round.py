@@ -5,8 +5,9 @@ With only greedy requests every step of the round is queued before its one host 
 each draft step takes its input tokens on the device from the previous one's ids, and
 the verify gathers its proposals from all of them (`_verify_tokens`). A round with a
 sampling request collects each draft step before the next, since its proposal is a
-host-side draw. Either way the verify's tokens are committed by the Run (run.py), which
-owns the scheduler bookkeeping and the events; this module only drives its steps.
+host-side draw. Either way the round returns its collected verify and the proposals;
+the Run (run.py) commits them: it owns the scheduler bookkeeping and the events, this
+module only drives the round's steps.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import mlx.core as mx
 
 from ..core.events import StepPlan
 from . import sampling as smp
-from .scheduler import PENDING, Scheduler, Work
-from .sequence import Sequence
+from .sched.scheduler import PENDING, Scheduler, Work
+from .sched.sequence import Sequence
 from .speculative import Proposal
 
 if TYPE_CHECKING:  # (run.py imports this module)
@@ -33,7 +34,8 @@ class SpecRound:
         # draft steps queued but not collected, with the sequences of each (greedy rounds)
         self.queued: list[tuple[Launch, list[Sequence]]] = []
 
-    def execute(self) -> None:
+    def execute(self) -> tuple[Launch, smp.Sampled, dict[str, Proposal]]:
+        """Run the round: (the verify step's launch, its sampled rows, the proposals)."""
         run, sched, decoding, ks, props = self.run, self.sched, self.decoding, self.ks, self.props
         lazy = run.e.overlap and all(s.request.sampling.greedy for s in decoding)
         last: dict[str, int] = {}
@@ -41,13 +43,12 @@ class SpecRound:
         prev_row: dict[str, int] = {}
         for j in range(max(ks.values())):
             seqs = [s for s in decoding if ks[s.id] > j]
-            plan = sched.draft_plan(run.step, seqs, j, last)
+            plan = sched.draft_plan(run.take_step(), seqs, j, last)
             tokens = None
             if j and lazy:
                 tokens = prev.sample.ids[mx.array([prev_row[s.id] for s in seqs], dtype=mx.int32)]
             full = [i for i, s in enumerate(seqs) if not s.request.sampling.greedy]
             launch = run.launch(run.draft, plan, tokens=tokens, full_rows=full, want_topk=False)
-            run.step += 1
             sched.computed(plan)
             if lazy:
                 self.queued.append((launch, seqs))
@@ -62,19 +63,16 @@ class SpecRound:
                 last[s.id] = tok
             run.close(launch)
         if lazy:
-            plan = sched.target_plan(run.step, self.work, {s.id: (PENDING,) * ks[s.id] for s in decoding})
+            plan = sched.target_plan(run.take_step(), self.work, {s.id: (PENDING,) * ks[s.id] for s in decoding})
             # (every decoding sequence is greedy, but a prefill in the step may be of one that samples)
             verify = run.launch(run.target, plan, tokens=self._verify_tokens(plan), full_rows=run.full_rows(plan))
             self._collect_queued()
             verify.plan = with_tokens(verify.plan, {s: (seq.tokens[-1], *props[s].tokens)
                                                     for s, seq in ((x.id, x) for x in decoding)})
         else:
-            plan = sched.target_plan(run.step, self.work, {s.id: tuple(props[s.id].tokens) for s in decoding})
+            plan = sched.target_plan(run.take_step(), self.work, {s.id: tuple(props[s.id].tokens) for s in decoding})
             verify = run.launch(run.target, plan, full_rows=run.full_rows(plan))
-        run.step += 1
-        run.proposals.update(props)
-        sampled = run.collect(verify)
-        run.commit(sched, verify, sampled)
+        return verify, run.collect(verify), props
 
     def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int, step: int):
         if s.request.sampling.greedy:

@@ -15,6 +15,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from ..core.jsonl import read_lines
 from ..core.names import RECORD_KINDS
 from ..errors import RecordError
 from .contract import CONTRACT_VERSION, END, check
@@ -58,40 +59,29 @@ def _read(src) -> tuple[list[_Line], list[_File]]:
         file_kind = FILE_KINDS.get(f.stem)
         fi = _File(f)
         info.append(fi)
-        with open(f, encoding="utf-8", errors="strict") as fh:
-            try:
-                for n, line in enumerate(fh, 1):
-                    fi.last_line = n
-                    where = f"{f}:{n}"
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise RecordError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
-                    if not isinstance(rec, dict):
-                        raise RecordError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-                    if fi.end is not None:
-                        raise RecordError(f"{where}: a record after the end record ({fi.end.where}): the end "
-                                          f"record is the file's last line")
-                    kind = rec.pop("kind", None)
-                    if kind == END:
-                        fi.end = _Line(END, _at(where, lambda: check(END, rec)), where)
-                        continue
-                    if kind is None:
-                        kind = file_kind
-                        if kind is None:
-                            raise RecordError(f"{where}: no 'kind' field (lines of {f.name} need one: "
-                                              f"{', '.join(RECORD_KINDS)})")
-                    elif kind not in RECORD_KINDS:
-                        raise RecordError(f"{where}: unknown kind {kind!r} (kinds: {', '.join(RECORD_KINDS)}, "
-                                          f"and {END} to close a file)")
-                    elif file_kind is not None and kind != file_kind:
-                        raise RecordError(f"{where}: a {kind!r} record in {f.name}, which holds {file_kind!r}")
-                    fi.records += 1
-                    out.append(_Line(kind, rec, where))
-            except UnicodeDecodeError as e:
-                raise RecordError(f"{f}: not UTF-8 text ({e.reason})") from None
+        for n, where, rec in read_lines(f, RecordError, "record file"):
+            fi.last_line = n
+            if not isinstance(rec, dict):
+                raise RecordError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            if fi.end is not None:
+                raise RecordError(f"{where}: a record after the end record ({fi.end.where}): the end "
+                                  f"record is the file's last line")
+            kind = rec.pop("kind", None)
+            if kind == END:
+                fi.end = _Line(END, _at(where, lambda: check(END, rec)), where)
+                continue
+            if kind is None:
+                kind = file_kind
+                if kind is None:
+                    raise RecordError(f"{where}: no 'kind' field (lines of {f.name} need one: "
+                                      f"{', '.join(RECORD_KINDS)})")
+            elif kind not in RECORD_KINDS:
+                raise RecordError(f"{where}: unknown kind {kind!r} (kinds: {', '.join(RECORD_KINDS)}, "
+                                  f"and {END} to close a file)")
+            elif file_kind is not None and kind != file_kind:
+                raise RecordError(f"{where}: a {kind!r} record in {f.name}, which holds {file_kind!r}")
+            fi.records += 1
+            out.append(_Line(kind, rec, where))
     return out, info
 
 

@@ -60,7 +60,7 @@ def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], di
 def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model_dir=None, draft_dir=None):
     """Write out_dir/<schedule>.h5; returns (its path, RunResult, skipped ids -> why)."""
     from ..engine.engine import Engine
-    from ..runner import partial_name
+    from ..workloads.runner import partial_name
     from ..trace.reader import Trace
     from ..trace.writer import TraceWriter
 

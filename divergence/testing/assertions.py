@@ -151,11 +151,11 @@ def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool, 
 
 
 class _DirSubject:
-    """Models loaded (and cached per process) from directories, run through divergence.runner."""
+    """Models loaded (and cached per process) from directories, run through divergence.workloads.runner."""
 
     def __init__(self, model, draft, *, policy, spec_k, top_k, token_budget, dtype, stop_at_eos):
         __tracebackhide__ = True
-        from ..runner import RunConfig, load_models
+        from ..workloads.runner import RunConfig, load_models
 
         spec_k = spec_k or 0
         model_dir = _model_dir(model, "model", default="TARGET")
@@ -173,7 +173,7 @@ class _DirSubject:
 
     def check(self, requests) -> None:
         __tracebackhide__ = True
-        from ..runner import make_engine
+        from ..workloads.runner import make_engine
 
         engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
         for r in requests:
@@ -182,7 +182,7 @@ class _DirSubject:
                 raise PromptError(msg)
 
     def run(self, requests, schedules, out: Path) -> dict:
-        from ..runner import run_schedules
+        from ..workloads.runner import run_schedules
 
         run_schedules(self.cfg, self.target, self.draft, requests, schedules, out)
         return {s: out / f"{s}.h5" for s in schedules}
@@ -203,7 +203,7 @@ class _EngineSubject:
                               "(speculative decoding needs its draft model: build the Engine with it)")
         self.overrides = {}
         if policy is not None:
-            from ..engine.dispatch import KernelPolicy
+            from ..engine.kernels.dispatch import KernelPolicy
 
             self.overrides["policy"] = KernelPolicy.parse(policy)
         if top_k is not None:
@@ -272,7 +272,7 @@ def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None, bitwise: bo
 def _memo_replayer(model_dir, draft_dir):
     """A Replayer that replays each (trace, forced steps) once: requests that share a
     root-cause step share its replay."""
-    from ..analysis.replay import Replayer
+    from ..analysis.replayer import Replayer
 
     class MemoReplayer(Replayer):
         def __init__(self, **kw):
@@ -336,7 +336,7 @@ def _is_token_list(x) -> bool:
 def _requests(items, encode, max_tokens: int) -> list:
     __tracebackhide__ = True
     from ..core.request import Request
-    from ..prompts import request_from_dict
+    from ..workloads.prompts import request_from_dict
 
     out = []
     for i, p in enumerate(items, 1):

@@ -22,7 +22,7 @@ BASE_CONFIGS = {
 MOE_TYPES = ("qwen3_moe", "mixtral")
 
 
-# llama config keys that give other RoPE modules (engine/rotary.py stands in for the plain
+# llama config keys that give other RoPE modules (engine/model/rotary.py stands in for the plain
 # ones on the CPU): for make_random_model's extra_config
 ROPE_VARIANTS = {
     "llama3-scaling": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

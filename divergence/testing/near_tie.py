@@ -34,10 +34,10 @@ def planted_router_pair(directory, layer: int, prompts, *, max_tokens: int = 32,
     shape options) with a near-tied router at `layer`, run serially under native, and that
     run replayed with every step's router on gemm:2. flipped(a, b) -> bool: what counts as
     a flip (default: some routing at `layer` differs)."""
-    from ..analysis.replay import Replayer, parse_force
+    from ..analysis.replayer import Replayer, parse_force
     from ..core.request import Request
-    from ..engine.model import load_model
-    from ..runner import RunConfig, run_schedules
+    from ..engine.model.loading import load_model
+    from ..workloads.runner import RunConfig, run_schedules
     from ..trace.reader import Trace
     from .models import make_random_model
 

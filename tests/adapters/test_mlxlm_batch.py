@@ -1,4 +1,4 @@
-"""mlx-lm's own BatchGenerator, traced through divergence.mlxlm_batch.
+"""mlx-lm's own BatchGenerator, traced through divergence.workloads.mlxlm_batch.
 
 Checked against independent references: the serial trace's tokens equal mlx-lm's
 `generate_step` one prompt at a time, and its KV hashes equal those of the
@@ -25,7 +25,7 @@ def _requests(loaded, n=12):
 
 
 def _trace(loaded, reqs, schedule, path):
-    from divergence.mlxlm_batch import run_batch_generator
+    from divergence.workloads.mlxlm_batch import run_batch_generator
     from divergence.trace.writer import TraceWriter
 
     with TraceWriter(path, top_k=8, kv_hashes=True) as w:
@@ -76,7 +76,7 @@ def test_traces_diff_and_replay_bit_for_bit(fixture_traces, capsys):
     """The engine stands in for BatchGenerator: replaying its traces (its step plans, its
     prefill layout, its log-prob top-k) gives its tokens, top-k and K/V bit for bit
     (fixture bf16, prompts of different lengths: its right-padded prefill included)."""
-    from divergence.analysis.replay import replay
+    from divergence.analysis.replayer import replay
 
     out, reqs, toks = fixture_traces
     assert main(["diff", str(out / "serial.h5"), str(out / "concurrent.h5"), "--json"]) in (0, 1)
@@ -100,8 +100,8 @@ def test_a_batch_generator_divergence_is_confirmed_through_replay(random_model, 
     `padded` kernel lays a step out as its right-padded batch), so bisect --confirm
     re-executes the concurrent trace with the cause step request by request and confirms
     every request's root cause."""
-    from divergence.analysis.replay import replay
-    from divergence.blas import blas_in_use
+    from divergence.analysis.replayer import replay
+    from divergence.engine.kernels.blas import blas_in_use
 
     if not blas_in_use().startswith("OpenBLAS"):
         pytest.skip("needs OpenBLAS: MLX's reference BLAS is row-invariant, nothing diverges (.ci/run installs it)")
@@ -130,7 +130,7 @@ def test_numeric_divergence_gets_a_root_cause_step(random_model, tmp_path):
     from the first numeric difference lands on a batched concurrent step."""
     from divergence.analysis.bisect import find_root_cause
     from divergence.analysis.diff import diff_traces
-    from divergence.blas import blas_in_use
+    from divergence.engine.kernels.blas import blas_in_use
 
     loaded = random_model("llama", hidden_size=256, num_layers=2, heads=4, kv_heads=2, intermediate_size=512,
                           dtype="float32")
@@ -153,10 +153,10 @@ _MOE_ROUTING = """
 import sys
 from pathlib import Path
 from divergence import Trace
-from divergence.analysis.replay import replay
+from divergence.analysis.replayer import replay
 from divergence.core.request import Request
-from divergence.engine.model import load_model
-from divergence.mlxlm_batch import run_batch_generator
+from divergence.engine.model.loading import load_model
+from divergence.workloads.mlxlm_batch import run_batch_generator
 from divergence.trace.writer import TraceWriter
 from divergence.testing.models import make_random_model
 out = Path(sys.argv[1])

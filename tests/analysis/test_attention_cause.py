@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from divergence.cli.main import main
-from divergence.engine import attention
+from divergence.engine.kernels import attention
 
 
 def _split_kv(q, k, v, mask, scale):

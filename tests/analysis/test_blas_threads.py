@@ -10,8 +10,8 @@ import h5py
 import pytest
 
 from divergence import Trace
-from divergence.analysis.replay import Replayer
-from divergence.blas import blas_threads, using_blas_threads
+from divergence.analysis.replayer import Replayer
+from divergence.engine.kernels.blas import blas_threads, using_blas_threads
 from divergence.cli.main import main
 
 pytestmark = [pytest.mark.blas,
@@ -64,7 +64,7 @@ def _threads_change_products(trace, n: int) -> bool:
     import mlx.core as mx
     import numpy as np
 
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
 
     loaded = load_model(trace.meta["model"]["path"], dtype="float32")
     layer = loaded.model.model.layers[0]

@@ -15,12 +15,12 @@ import pytest
 from divergence import Trace
 from divergence.analysis.bisect import bisect_traces, step_kernels
 from divergence.analysis.forcing import force_like_a, prefill_as_a
-from divergence.analysis.replay import Replayer, make_confirmer
+from divergence.analysis.replayer import Replayer, make_confirmer
 from divergence.analysis.report import render_bisect
-from divergence.blas import blas_in_use
+from divergence.engine.kernels.blas import blas_in_use
 from divergence.core.policy import RelayoutStep
 from divergence.core.request import Request
-from divergence.runner import RunConfig, run_schedules
+from divergence.workloads.runner import RunConfig, run_schedules
 
 pytestmark = [pytest.mark.blas,
               pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
@@ -31,14 +31,14 @@ pytestmark = [pytest.mark.blas,
 @pytest.fixture
 def no_relayout(monkeypatch):
     """The replay refuses every relayout (as it refuses one that does not fit the plans)."""
-    import divergence.engine.replay as engine_replay
+    import divergence.analysis.replayer as replayer
 
     def refuse(plans, sites, forced, requests):
         if any(isinstance(v, RelayoutStep) for v in forced.values()):
             raise ValueError("no relayout today")
         return plans, sites, forced
 
-    monkeypatch.setattr(engine_replay, "relayout", refuse)
+    monkeypatch.setattr(replayer, "relayout", refuse)
 
 
 def _run(loaded, out, schedules=("serial", "concurrent"), *, budget=20, long=50, kv_hashes=True):
@@ -124,7 +124,7 @@ def test_passes_b_took_in_fewer_steps_run_one_after_the_other(random_model, tmp_
 def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunking(random_model, tmp_path):
     """No KV hashes: bisect searches B's steps by replay. Logit-only divergences (--bitwise)
     get a cause too, and where no forcing of single steps helps, the prompt in A's passes."""
-    from divergence.analysis.replay import make_replay_bisector
+    from divergence.analysis.replayer import make_replay_bisector
 
     loaded = random_model("llama", dtype="float32")
     pa, pb = _run(loaded, tmp_path, kv_hashes=False)
@@ -142,7 +142,7 @@ def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunk
 def test_without_kv_hashes_a_forcing_the_replay_refuses_is_said(random_model, tmp_path, no_relayout):
     """The replay bisection's fallback (the prompt in A's passes) refused by the replay: the
     request says why it has no cause; the bisect goes on."""
-    from divergence.analysis.replay import make_replay_bisector
+    from divergence.analysis.replayer import make_replay_bisector
     loaded = random_model("llama", dtype="float32")
     pa, pb = _run(loaded, tmp_path, kv_hashes=False)
     with Trace.open(pa) as a, Trace.open(pb) as b:

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from divergence import Trace
-from divergence.blas import blas_in_use
+from divergence.engine.kernels.blas import blas_in_use
 from divergence.core.host import runnable_cores
 
 pytestmark = pytest.mark.skipif(not blas_in_use().startswith("OpenBLAS"),
@@ -109,7 +109,7 @@ def test_an_environment_this_machine_cannot_run_is_one_line_and_exit_2(pair, tmp
 
     from divergence.cli.main import main
 
-    from divergence.blas import blas_core
+    from divergence.engine.kernels.blas import blas_core
     from divergence.core.host import CORE_FLAGS
 
     # a core other than this process's, which this CPU (as far as the check knows) lacks

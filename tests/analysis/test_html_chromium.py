@@ -24,8 +24,8 @@ def demo_page(tmp_path_factory):
     """The demo's traces, made once, and the page `divergence report --confirm` writes of them."""
     from divergence.cli.common import default_model_dirs
     from divergence.cli.run_cmd import DEMO_POLICY, DEMO_SPEC_K
-    from divergence.prompts import builtin_requests
-    from divergence.runner import RunConfig, load_models, run_schedules
+    from divergence.workloads.prompts import builtin_requests
+    from divergence.workloads.runner import RunConfig, load_models, run_schedules
 
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=target_dir, draft=draft_dir, policy=DEMO_POLICY, spec_k=DEMO_SPEC_K, stop_at_eos=False)

@@ -20,7 +20,7 @@ import pytest
 
 from divergence import Trace
 from divergence.cli.main import main
-from divergence.engine import kernels
+from divergence.engine.kernels import linear as kernels
 
 
 def _gpu_like_native(x, op):
@@ -83,7 +83,7 @@ def test_bisect_names_the_class_change_and_solo_replay_confirms(gpu_like, capsys
 
 
 def test_solo_force_is_a_whole_step_mode(gpu_like, capsys):
-    from divergence.analysis.replay import parse_force
+    from divergence.analysis.replayer import parse_force
     from divergence.core.policy import SOLO
     from divergence.errors import PolicyError
 
@@ -120,7 +120,7 @@ def cpu_native_fp32(tmp_path_factory):
 @pytest.mark.blas
 def test_cpu_blas_native_divergence_is_undone_by_solo_replay(cpu_native_fp32):
     from divergence.analysis.diff import diff_traces
-    from divergence.analysis.replay import Replayer, fidelity, parse_force
+    from divergence.analysis.replayer import Replayer, fidelity, parse_force
     from divergence.trace.writer import TraceWriter
 
     with Trace.open(cpu_native_fp32 / "serial.h5") as a, Trace.open(cpu_native_fp32 / "concurrent.h5") as b:

@@ -75,7 +75,7 @@ def _run_cell(c, root):
         return _RUNS[c]
     from divergence.core.request import Request, Sampling
     from divergence.fixtures import DRAFT
-    from divergence.runner import RunConfig, load_models, run_schedules
+    from divergence.workloads.runner import RunConfig, load_models, run_schedules
 
     p, w, prefix, spec, sampled = c
     cfg = RunConfig(model=_model(WEIGHTS[w], root), draft=DRAFT if spec else None, policy=POLICIES[p],
@@ -97,14 +97,14 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def replayer():
-    from divergence.analysis.replay import Replayer
+    from divergence.analysis.replayer import Replayer
 
     return Replayer()
 
 
 @pytest.mark.parametrize("c", CELLS, ids=cell_id)
 def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
-    from divergence.analysis.replay import fidelity
+    from divergence.analysis.replayer import fidelity
     from divergence.trace.writer import TraceWriter
 
     out = _run_cell(c, root)
@@ -124,7 +124,7 @@ def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
 @pytest.mark.parametrize("c", CELLS, ids=cell_id)
 def test_every_divergence_is_confirmed(c, root, replayer):
     from divergence.analysis.bisect import bisect_traces
-    from divergence.analysis.replay import make_confirmer
+    from divergence.analysis.replayer import make_confirmer
 
     out = _run_cell(c, root)
     for s in SCHEDULES[1:]:

@@ -122,7 +122,7 @@ def _engine_confirm(demo, capsys):
 
 
 def _patch_run(monkeypatch, change):
-    from divergence.analysis.replay import Replayer
+    from divergence.analysis.replayer import Replayer
 
     real = Replayer.run
 

@@ -156,7 +156,7 @@ def draft_only_row_dependent(monkeypatch):
     """A stand-in backend on which only the draft's shapes (hidden 128) depend on the row
     count (split-K above one row): the target's logits stay bitwise equal under batching,
     the draft's q moves, and with it the sampled tokens."""
-    from divergence.engine import kernels
+    from divergence.engine.kernels import linear as kernels
 
     native = kernels.run_native
 

@@ -139,7 +139,7 @@ def test_report_html_in_a_read_only_dir(pair, ro_dir, capsys):
 # -- 3. one --out, one run at a time; unique partial names ------------------------------------
 
 def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
-    from divergence.runner import _lock, _unlock
+    from divergence.workloads.runner import _lock, _unlock
 
     (tmp_path / "serial.h5").write_bytes(b"previous")
     held = _lock(tmp_path)  # as another `divergence run` holds it (flock: per open file)
@@ -153,7 +153,7 @@ def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
 
 
 def test_partial_names_are_unique_per_process(tmp_path):
-    from divergence.runner import partial_name
+    from divergence.workloads.runner import partial_name
 
     a, b = partial_name(tmp_path / "serial.h5"), partial_name(tmp_path / "serial.h5")
     assert a != b and a.name != "serial.h5.partial" and str(os.getpid()) in a.name
@@ -259,7 +259,7 @@ def _encode(text):
 
 
 def test_a_bom_is_accepted(tmp_path):
-    from divergence.prompts import load_prompts
+    from divergence.workloads.prompts import load_prompts
 
     f = tmp_path / "bom.jsonl"
     f.write_bytes(b"\xef\xbb\xbf" + b'{"id": "r1", "prompt": "hi"}\r\n{"id": "r2", "tokens": [5, 6]}\n')
@@ -268,7 +268,7 @@ def test_a_bom_is_accepted(tmp_path):
 
 
 def test_a_line_separator_inside_a_string_is_not_a_new_line(tmp_path):
-    from divergence.prompts import load_prompts
+    from divergence.workloads.prompts import load_prompts
 
     f = tmp_path / "ls.jsonl"
     f.write_text('{"id": "r1", "prompt": "a\u2028b"}\n', encoding="utf-8")
@@ -284,7 +284,7 @@ def test_prompts_from_a_fifo_or_a_device_are_refused(tmp_path, capsys):
 
 
 def test_a_huge_prompt_file_is_refused(tmp_path, capsys, monkeypatch):
-    import divergence.prompts as prompts
+    import divergence.workloads.prompts as prompts
 
     f = tmp_path / "big.jsonl"
     f.write_text('{"id": "r1", "prompt": "' + "x" * 5000 + '"}\n')
@@ -295,7 +295,7 @@ def test_a_huge_prompt_file_is_refused(tmp_path, capsys, monkeypatch):
 
 def test_the_api_raises_prompt_error(tmp_path):
     from divergence.errors import PromptError
-    from divergence.prompts import load_prompts
+    from divergence.workloads.prompts import load_prompts
 
     f = tmp_path / "p.jsonl"
     f.write_text('{"id": "r1", "prompt": "x", "seed": 1.9}\n')
@@ -332,7 +332,7 @@ def test_sweep_bounds(capsys, args, needle):
 
 def test_sweep_api_bounds():
     from divergence.errors import PromptError
-    from divergence.sweep import sweep
+    from divergence.workloads.sweep import sweep
 
     with pytest.raises(PromptError, match="max-batch"):
         sweep(None, "x", runs=1, max_batch=100_000)
@@ -365,7 +365,7 @@ def test_a_step_forced_twice(capsys, forces):
 
 
 def test_distinct_forcings_still_parse():
-    from divergence.analysis.replay import parse_force
+    from divergence.analysis.replayer import parse_force
 
     got = parse_force(["8:q_proj=gemv", "8:k_proj=gemm", "9:gemv"])
     assert set(got) == {8, 9} and set(got[8]) == {"q_proj", "k_proj"}

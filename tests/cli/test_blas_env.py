@@ -1,5 +1,5 @@
 """DIVERGENCE_BLAS that names nothing loadable: `divergence run` says so in one line, exit 2
-(importing divergence.blas never raises)."""
+(importing divergence.engine.kernels.blas never raises)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,7 @@ def test_bogus_blas_is_one_line_exit_2(tmp_path, value):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="DIVERGENCE_BLAS is read on Linux")
 def test_import_never_raises_and_reference_is_fine():
-    code = "import divergence.blas as b; print(repr(b.blas_problem()))"
+    code = "import divergence.engine.kernels.blas as b; print(repr(b.blas_problem()))"
     for value, want in (("bogus", "DIVERGENCE_BLAS='bogus'"), ("reference", "None"), ("", "None")):
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "DIVERGENCE_BLAS": value})

@@ -121,7 +121,7 @@ def test_run_sampling_defaults_are_checked(argv, needle, tmp_path, capsys):
 
 
 def test_run_sampling_defaults_apply_where_a_line_sets_none(tmp_path):
-    from divergence.prompts import load_prompts, sampling_defaults
+    from divergence.workloads.prompts import load_prompts, sampling_defaults
 
     p = tmp_path / "p.jsonl"
     p.write_text(json.dumps({"id": "a", "tokens": [1, 2]}) + "\n"

@@ -7,8 +7,9 @@ import mlx.core as mx
 import pytest
 
 from divergence.cli.main import main
-from divergence.engine.dispatch import KernelDispatcher, KernelPolicy
-from divergence.probe import OpProbe, classify, probe_linear
+from divergence.engine.kernels.dispatch import KernelDispatcher, KernelPolicy
+from divergence.core.classes import OpProbe, classify
+from divergence.workloads.probe import probe_linear
 
 
 def test_classify_groups_by_bits():
@@ -24,7 +25,7 @@ def test_classify_groups_by_bits():
 
 def test_probe_finds_the_split_of_the_engines_own_gemm(target):
     """threshold:4 runs gemv up to 4 rows and split-K gemm above: the probe must see it."""
-    from divergence.engine.forward import PackedForward
+    from divergence.engine.model.forward import PackedForward
 
     op = PackedForward(target).ops[0].q
     disp = KernelDispatcher(KernelPolicy.parse("threshold:4"), "target")
@@ -59,8 +60,8 @@ def test_probe_fp32_classes_are_what_a_direct_check_of_the_rows_finds(capsys, tm
     Cooperlake: depends on the whole shape; the reference BLAS: every M)."""
     import numpy as np
 
-    from divergence.blas import blas_in_use
-    from divergence.engine.model import load_model
+    from divergence.engine.kernels.blas import blas_in_use
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
 
     monkeypatch.setenv("DIVERGENCE_CACHE_DIR", str(tmp_path))

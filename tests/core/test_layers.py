@@ -1,6 +1,7 @@
-"""One-way imports: reading, diffing, bisecting and browsing traces, and loading the
-pytest plugin, import neither MLX nor the engine (which loads a BLAS), and the
-packages of divergence import each other without cycles."""
+"""One-way imports: the layout's rooms import only the rooms below them (ROOMS),
+reading, diffing, bisecting and browsing traces, and loading the pytest plugin,
+import neither MLX nor the engine (which loads a BLAS), and the packages of
+divergence import each other without cycles."""
 from __future__ import annotations
 
 import ast
@@ -13,10 +14,36 @@ import divergence
 
 PKG = Path(divergence.__file__).parent
 
-# modules that must never import divergence.engine (replay is analysis's one door to it)
+# modules that must never import divergence.engine (replayer is analysis's one door to it)
 ENGINE_FREE = ["core", "trace", "analysis", "tui", "testing/plugin.py", "testing/settings.py", "errors.py", "record",
                "cli/import_cmd.py"]
-ENGINE_DOORS = {"analysis/replay.py"}
+ENGINE_DOORS = {"analysis/replayer.py"}
+ENGINE_ROOMS = ("engine", "parallel", "workloads")  # what loads MLX and a BLAS
+
+# room -> the rooms it may import (a room: a package of divergence, or engine's own
+# subpackages); data flows one way: engine -> parallel -> workloads, trace -> record /
+# analysis -> tui; cli and testing are thin consumers of everything below them
+_BASE = {"core", "errors"}
+_ENGINE = {"engine", "engine.sched", "engine.model", "engine.kernels"}
+ROOMS = {
+    "__main__": {"cli"},
+    "errors": set(),
+    "core": {"errors"},
+    "trace": _BASE,
+    "record": _BASE | {"trace"},
+    "engine.sched": _BASE,
+    "engine.kernels": _BASE | {"__init__"},  # (__init__: the package version, for the environment)
+    "engine.model": _BASE | {"engine.kernels", "engine.sched"},
+    "engine": _BASE | _ENGINE - {"engine"},
+    "parallel": _BASE | {"engine.kernels", "trace"},
+    "workloads": _BASE | _ENGINE | {"parallel", "trace", "record"},
+    "analysis": _BASE | {"trace", "record"},  # + the replayer's door: ENGINE_DOORS
+    "tui": _BASE | {"trace", "analysis"},
+    "serve": _BASE | _ENGINE | {"parallel", "trace", "record", "workloads"},
+    "testing": _BASE | _ENGINE | {"__init__", "trace", "record", "analysis", "workloads", "fixtures"},
+    "cli": None,  # anything
+}
+DOOR_ROOMS = _ENGINE | {"parallel", "workloads"}
 
 
 def _module_name(path: Path) -> str:
@@ -33,7 +60,12 @@ def _imports(path: Path) -> set[str]:
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = set()
+    # type-only imports (under `if TYPE_CHECKING:`) run nothing and may point upward
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -53,6 +85,38 @@ def _files(entry: str) -> list[Path]:
     return [p] if p.suffix == ".py" else sorted(p.rglob("*.py"))
 
 
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) > 2 and parts[1] == "engine" and (PKG / "engine" / parts[2]).is_dir():
+        return f"engine.{parts[2]}"
+    if len(parts) < 2 or not ((PKG / parts[1]).is_dir() or (PKG / f"{parts[1]}.py").exists()):
+        return "__init__"  # the package itself (divergence.__version__)
+    return parts[1]
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    bad = []
+    for f in PKG.rglob("*.py"):
+        if "fixtures" in f.parts:
+            continue
+        rel = str(f.relative_to(PKG))
+        src = _room(_module_name(f))
+        if src == "__init__" or (src in ROOMS and ROOMS[src] is None):
+            continue
+        assert src in ROOMS, f"{rel}: room {src} has no entry in ROOMS: say what it may import"
+        allowed = ROOMS[src] | {src} | (DOOR_ROOMS if rel in ENGINE_DOORS else set())
+        for m in _imports(f):
+            dst = _room(m)
+            if dst not in allowed:
+                bad.append(f"{rel} ({src}) imports {m} ({dst})")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_no_loose_top_level_modules():
+    loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "__main__.py", "errors.py"))
+    assert not loose, f"modules outside a room: {loose}"
+
+
 def test_engine_free_layers_never_import_the_engine():
     bad = []
     for entry in ENGINE_FREE:
@@ -61,8 +125,7 @@ def test_engine_free_layers_never_import_the_engine():
             if rel in ENGINE_DOORS:
                 continue
             for m in _imports(f):
-                if m.startswith("divergence.engine") or m in ("divergence.mlxlm_batch", "divergence.runner",
-                                                              "divergence.blas"):
+                if _room(m).split(".")[0] in ENGINE_ROOMS:
                     bad.append(f"{rel} imports {m}")
     assert not bad, "\n".join(bad)
 
@@ -94,8 +157,8 @@ def _package_of(module: str) -> str:
 
 
 def test_no_import_cycles_between_packages():
-    """Subpackages (core, engine, trace, analysis, tui, testing, cli) and top-level modules
-    form a graph without cycles; an edge A -> B means some module of A imports B."""
+    """Subpackages (core, engine, parallel, workloads, trace, record, analysis, tui, testing,
+    cli) form a graph without cycles; an edge A -> B means some module of A imports B."""
     graph: dict[str, set[str]] = {}
     for f in PKG.rglob("*.py"):
         if "fixtures" in f.parts:
@@ -152,7 +215,7 @@ def test_reading_diffing_bisecting_the_html_page_and_the_plugin_load_neither_mlx
             render_html(rep, ta, tb)
             assert not rep.diff.identical
         mods = sorted(m for m in sys.modules if m == "mlx" or m.startswith("mlx.") or m.startswith("mlx_lm")
-                      or m.startswith("divergence.engine") or m == "divergence.blas")
+                      or m.split(".")[1:2] in (["engine"], ["parallel"], ["workloads"]))
         maps = open("/proc/self/maps").read().lower()
         blas = sorted({{line.split()[-1] for line in maps.splitlines() if "blas" in line or "libmlx" in line}})
         print("MODS", mods)
@@ -174,7 +237,7 @@ def test_top_level_names_are_lazy_and_public():
             "print(Engine.__module__, load_model.__module__, Request.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["divergence.engine.engine", "divergence.engine.model", "divergence.core.request"]
+    assert out.stdout.split() == ["divergence.engine.engine", "divergence.engine.model.loading", "divergence.core.request"]
 
 
 def test_name_tables_have_one_source():
@@ -198,3 +261,34 @@ def test_name_tables_have_one_source():
     from divergence.trace import schema
     assert (schema.PHASES, schema.MODELS, schema.OPS, schema.KERNELS) == \
            (names.PHASES, names.MODELS, names.OPS, names.KERNELS)
+
+
+def test_tensor_parallelism_lives_in_one_package():
+    """Only divergence/parallel/ names the collectives and the TP environment: the engine
+    is handed a group object, the CLI asks parallel/ what a command needs."""
+    words = ("all_reduce", "all_sum", "all_gather", "mx.distributed", "MLX_RANK", "MLX_HOSTFILE", "NCCL_HOST_IP",
+             "NCCL_PORT", "MLX_WORLD_SIZE", "DIVERGENCE_TP_")
+    bad = [f"{f.relative_to(PKG)}: {w}" for f in PKG.rglob("*.py") if "parallel" not in f.relative_to(PKG).parts
+           for w in words if w in f.read_text()]
+    assert not bad, "\n".join(bad)
+
+
+def test_modules_outside_the_engine_load_the_blas_before_mlx():
+    """MLX resolves its BLAS when it is first imported: a module outside divergence/engine/
+    (whose __init__ loads it) that imports mlx at its top must load the BLAS first."""
+    bad = []
+    for f in PKG.rglob("*.py"):
+        rel = f.relative_to(PKG)
+        if rel.parts[0] == "engine" or "fixtures" in rel.parts:
+            continue
+        blas_seen = False
+        for node in ast.parse(f.read_text()).body:  # module level only: lazy imports follow an engine import
+            if isinstance(node, ast.ImportFrom) and node.module and "kernels" in node.module and \
+                    any(a.name == "blas" for a in node.names):
+                blas_seen = True
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n.split(".")[0] in ("mlx", "mlx_lm") for n in names) and not blas_seen:
+                bad.append(f"{rel}:{node.lineno}")
+                break
+    assert not bad, "mlx imported before the BLAS is loaded: " + ", ".join(bad)

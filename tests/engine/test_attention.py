@@ -10,11 +10,12 @@ import pytest
 from divergence.core.events import DECODE, PREFILL, VERIFY, Observer, SeqSlice, StepPlan
 from divergence.core.policy import KernelPolicy
 from divergence.core.request import Request
-from divergence.engine import attention
-from divergence.engine.dispatch import KernelDispatcher
+from divergence.engine.kernels import attention
+from divergence.engine.kernels.dispatch import KernelDispatcher
 from divergence.engine.engine import Engine
-from divergence.engine.kv_cache import BlockManager, PagedKVCache
-from divergence.engine.prepared import prepare_step
+from divergence.engine.model.kv_cache import PagedKVCache
+from divergence.engine.sched.blocks import BlockManager
+from divergence.engine.model.prepared import prepare_step
 
 H, KV, HD, BS = 4, 2, 32, 16
 ON_CPU = mx.default_device() == mx.cpu
@@ -109,8 +110,8 @@ def test_batched_decode_equals_per_seq_bitwise_where_the_probe_says_so(dtype):
     so the engine's attention probe (native_classes.AttentionClassProbe, what a trace records)
     says which, and the step's two kernels must agree with it, on every backend."""
     from divergence.core.names import BATCHED, PER_SEQ
-    from divergence.engine.native_classes import AttentionClassProbe
-    from divergence.engine.prepared import BatchedAttention
+    from divergence.engine.kernels.native_classes import AttentionClassProbe
+    from divergence.engine.model.prepared import BatchedAttention
 
     probe = AttentionClassProbe()
     verdicts = []
@@ -253,7 +254,7 @@ def test_engine_records_attention_per_step_and_layer(target, prompts):
 def test_batch_invariant_serial_equals_concurrent_with_spec_and_prefix_cache(target, draft):
     """Per-seq attention under batch-invariant: serial and concurrent agree bit for bit with
     speculative decoding and prefix caching both on (shared prefixes, staggered arrivals)."""
-    from divergence.prompts import DEMO_R2_PROMPT
+    from divergence.workloads.prompts import DEMO_R2_PROMPT
 
     base = target.encode(DEMO_R2_PROMPT)
     reqs = [Request(f"r{i}", tuple(base[: 36 + 7 * i]), max_tokens=10, arrival=i) for i in range(4)]
@@ -271,7 +272,7 @@ def test_batch_invariant_serial_equals_concurrent_with_spec_and_prefix_cache(tar
 
 
 def test_probe_reports_attention_classes_by_layout_and_batch(monkeypatch):
-    from divergence.probe import probe_attention
+    from divergence.workloads.probe import probe_attention
 
     for layout in ("right", "left"):
         got = probe_attention(H, KV, HD, mx.bfloat16, [1, 2, 3, 8], 1, layout)
@@ -300,7 +301,7 @@ def _two_prefills(fwd, **kw):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_tap_sees_every_op_in_forward_order_and_changes_nothing(random_model, family):
     from divergence.core.names import TAP_POINTS
-    from divergence.engine.forward import PackedForward
+    from divergence.engine.model.forward import PackedForward
 
     loaded = random_model(family, hidden_size=64)
     fwd = PackedForward(loaded)
@@ -322,7 +323,7 @@ def test_tap_sees_every_op_in_forward_order_and_changes_nothing(random_model, fa
 def test_slice_by_slice_rope_equals_the_one_call_rope(random_model):
     """RoPE modules that read the offset as a number (dynamic NTK) go slice by slice:
     on a plain RoPE both paths give the same bits."""
-    from divergence.engine.forward import PackedForward
+    from divergence.engine.model.forward import PackedForward
 
     loaded = random_model("llama", hidden_size=64)
     fwd = PackedForward(loaded)

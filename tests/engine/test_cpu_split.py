@@ -1,6 +1,6 @@
 """A product split by output columns across CPU streams has the unsplit call's bits.
 
-The engine splits bf16 / fp16 / quantized products on the CPU (engine/cpu_split.py)
+The engine splits bf16 / fp16 / quantized products on the CPU (engine/kernels/splits.py)
 because MLX runs those kernels on one thread. That is only allowed because every
 output element's sum is the same whatever N is; these tests check it on every kind
 of product the forward makes, then check a whole engine run with every product
@@ -17,8 +17,8 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from divergence.engine import cpu_split
-from divergence.engine.kernels import LinearOp
+from divergence.engine.kernels import splits as cpu_split
+from divergence.engine.kernels.linear import LinearOp
 
 pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the split runs on the CPU only")
 
@@ -131,7 +131,7 @@ def test_an_expert_splits_like_its_own_call(bias, m):
     run it) computes its own column parts: the same bits as its whole call."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from divergence.engine.expert_kernels import ExpertWeights
+    from divergence.engine.kernels.experts import ExpertWeights
 
     mx.random.seed(3)
     glu = SwitchGLU(256, 1000, 4, bias=bias)
@@ -148,7 +148,7 @@ def test_a_quantized_expert_is_not_split(monkeypatch, configure):
     """Its own op is the switch layer's gather_qmm, not the quantized_matmul a split runs."""
     from mlx_lm.models.switch_layers import SwitchGLU
 
-    from divergence.engine.expert_kernels import ExpertWeights
+    from divergence.engine.kernels.experts import ExpertWeights
 
     glu = SwitchGLU(256, 1024, 4)
     glu.set_dtype(mx.bfloat16)

@@ -28,7 +28,7 @@ def test_cli_refuses_a_draft_of_another_vocabulary(models, tmp_path, capsys, dra
 
 def test_engine_refuses_it_and_takes_a_matching_draft(models):
     from divergence.engine.engine import Engine
-    from divergence.engine.model import load_cached
+    from divergence.engine.model.loading import load_cached
 
     target = load_cached(models[1024])
     with pytest.raises(ModelLoadError, match="share the target's vocabulary"):

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from divergence.core.policy import KernelPolicy
-from divergence.engine.dispatch import KernelDispatcher
-from divergence.engine.expert_kernels import run_experts
-from divergence.engine.forward import PackedForward
+from divergence.engine.kernels.dispatch import KernelDispatcher
+from divergence.engine.kernels.experts import run_experts
+from divergence.engine.model.forward import PackedForward
 
 MOE = dict(hidden_size=64, num_layers=1, num_experts=8, experts_per_token=2, intermediate_size=96)
 POLICIES = ["native", "gemv", "gemm", "batch-invariant", "threshold:1", "threshold:3"]

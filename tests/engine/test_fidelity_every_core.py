@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from divergence.blas import blas_core, blas_in_use
+from divergence.engine.kernels.blas import blas_core, blas_in_use
 from divergence.core.request import Request
 from divergence.engine.engine import Engine
 from test_reference_logits import mlx_lm_logits

@@ -7,9 +7,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from divergence.engine import kernels
-from divergence.engine.dispatch import KernelDispatcher, KernelPolicy
-from divergence.engine.kernels import LinearOp
+from divergence.engine.kernels import linear as kernels
+from divergence.engine.kernels.dispatch import KernelDispatcher, KernelPolicy
+from divergence.engine.kernels.linear import LinearOp
 from divergence.errors import PolicyError
 
 # Unit roundoff of each compute dtype; a K-term dot product in that dtype may be

@@ -5,7 +5,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from divergence.engine.kv_cache import BlockManager, CacheFullError, PagedKVCache
+from divergence.engine.model.kv_cache import PagedKVCache
+from divergence.engine.sched.blocks import BlockManager, CacheFullError
 
 
 def test_allocate_free_no_leak():

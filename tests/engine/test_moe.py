@@ -9,8 +9,8 @@ import pytest
 
 from divergence.core.request import Request
 from divergence.engine.engine import Engine
-from divergence.engine.expert_kernels import gather_mm_supported
-from divergence.engine.moe import MoeBlock
+from divergence.engine.kernels.experts import gather_mm_supported
+from divergence.engine.model.moe import MoeBlock
 
 
 
@@ -58,7 +58,7 @@ def test_bf16_moe_runs_where_mlx_lm_cannot(random_model, prompts):
 
 
 def _blocks(loaded):
-    from divergence.engine.forward import PackedForward
+    from divergence.engine.model.forward import PackedForward
 
     return PackedForward(loaded).moe
 
@@ -67,7 +67,7 @@ def test_unsupported_family_names_the_supported_ones(tmp_path, capsys):
     import json
 
     from divergence.cli.main import main
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.errors import UnsupportedModelError
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))

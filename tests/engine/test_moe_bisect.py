@@ -9,10 +9,10 @@ import pytest
 
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.diff import diff_traces
-from divergence.analysis.replay import Replayer, make_confirmer
+from divergence.analysis.replayer import Replayer, make_confirmer
 from divergence.analysis.report import render_bisect
 from divergence.core.request import Request
-from divergence.runner import RunConfig, run_schedules
+from divergence.workloads.runner import RunConfig, run_schedules
 from divergence.testing.models import make_random_model
 from divergence.trace.reader import Trace
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from divergence.engine import kernels
-from divergence.engine.native_classes import PROBE_ROWS, PROBE_VALUES, NativeClassProbe, probe_rows
+from divergence.engine.kernels import linear as kernels
+from divergence.engine.kernels.native_classes import PROBE_ROWS, PROBE_VALUES, NativeClassProbe, probe_rows
 
 
 def test_probe_rows_by_width():

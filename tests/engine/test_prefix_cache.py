@@ -6,7 +6,7 @@ import pytest
 from divergence.engine.engine import Engine
 from divergence.core.events import Observer
 from divergence.core.request import Request
-from divergence.prompts import DEMO_R2_PROMPT
+from divergence.workloads.prompts import DEMO_R2_PROMPT
 
 
 class Writes(Observer):

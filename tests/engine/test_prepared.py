@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from divergence.core.events import DECODE, DRAFT, PREFILL, SeqSlice, StepPlan
-from divergence.engine.kv_cache import BlockManager
-from divergence.engine.prepared import (
+from divergence.engine.sched.blocks import BlockManager
+from divergence.engine.model.prepared import (
     BatchedAttention, PreparedStep, _prepare_decode, _prepare_general, prepare_step,
 )
 
@@ -66,7 +66,7 @@ def test_prefill_and_padded_steps_take_the_general_path(monkeypatch):
     decode = StepPlan(0, "target", (SeqSlice("a", DECODE, 4, 1, 0, (7,), (0,)),))
     prefill = StepPlan(0, "target", (SeqSlice("a", PREFILL, 0, 5, 0, (1, 2, 3, 4, 5), (4,)),))
     called = []
-    import divergence.engine.prepared as P
+    import divergence.engine.model.prepared as P
 
     monkeypatch.setattr(P, "_prepare_decode", lambda *a: called.append(a) or _prepare_general(*a))
     P.prepare_step(prefill, blocks, "batched")

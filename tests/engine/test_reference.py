@@ -57,7 +57,7 @@ SHARED_ON_CPU = {"llama3-scaling", "linear-scaling"}  # the plain mx.fast.rope c
 
 @pytest.mark.parametrize("variant", list(ROPE_VARIANTS))
 def test_rope_variants_match_mlx_lm(random_model, prompts, variant):
-    from divergence.engine.rotary import shared_rope
+    from divergence.engine.model.rotary import shared_rope
 
     loaded = random_model("llama", hidden_size=64, extra_config=ROPE_VARIANTS[variant])
     ropes = [layer.self_attn.rope for layer in loaded.model.layers]
@@ -67,7 +67,7 @@ def test_rope_variants_match_mlx_lm(random_model, prompts, variant):
 
 @pytest.mark.blas
 def test_fp32_override_matches_mlx_lm(prompts):
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
 
     loaded = load_model(TARGET, dtype="float32")

@@ -58,7 +58,7 @@ def mlx_lm_logits(model, prompt, n, *, split_last: bool) -> Reference:
 
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_topk_logits_equal_mlx_lm_bitwise(target, prompts, dtype):
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
 
     loaded = target if dtype is None else load_model(TARGET, dtype=dtype)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import rope_utils
 
-from divergence.engine.rotary import StepRotation, fallback_in_use, shared_rope
+from divergence.engine.model.rotary import StepRotation, fallback_in_use, shared_rope
 
 pytestmark = pytest.mark.skipif(not fallback_in_use(), reason="StepRotation is only used on the CPU stream")
 

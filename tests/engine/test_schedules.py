@@ -111,7 +111,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(target, prompts):
 
 
 def test_bad_inputs_are_typed_errors(target, tmp_path):
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
 
     with pytest.raises(ModelLoadError):
         load_model(tmp_path / "nope")

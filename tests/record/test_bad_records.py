@@ -72,7 +72,7 @@ CASES = [
     ("tokens", 1, put("topk_logit", [1.0]), "tokens.jsonl:1: token: unknown field 'topk_logit'"),
     ("tokens", 1, put("kind", "kernel"), "tokens.jsonl:1: a 'kernel' record in tokens.jsonl, which holds 'token'"),
     # not JSON
-    ("tokens", 3, lambda r: '{"step": 2, "request": "r1",', "tokens.jsonl:3: not a JSON object"),
+    ("tokens", 3, lambda r: '{"step": 2, "request": "r1",', "tokens.jsonl:3: not valid JSON"),
     ("tokens", 3, lambda r: "[1, 2]", "tokens.jsonl:3: expected a JSON object, got list"),
 ]
 

@@ -174,7 +174,7 @@ def test_recording_and_importing_load_neither_mlx_nor_the_engine(tmp_path):
         from divergence.cli.main import main
         assert main(["import", {str(d)!r}, "--out", {str(tmp_path / 'x.h5')!r}]) == 0
         bad = sorted(m for m in sys.modules if m.split(".")[0] in ("mlx", "mlx_lm", "torch")
-                     or m.startswith("divergence.engine") or m == "divergence.blas")
+                     or m.startswith("divergence.engine") or m == "divergence.engine.kernels.blas")
         print("MODS", bad)
         """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ PROMPT = "def add(a, b):\n    "
 
 @pytest.fixture(scope="module")
 def model():
-    from divergence.engine.model import load_cached
+    from divergence.engine.model.loading import load_cached
 
     return load_cached(TARGET)
 

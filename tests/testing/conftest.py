@@ -24,15 +24,15 @@ def plugin_installed() -> bool:
 @pytest.fixture(scope="session", autouse=True)
 def _engine_imported():
     """Import what a check uses before pytester snapshots sys.modules, and warm the model cache."""
-    import divergence.blas  # noqa: F401  (before MLX)
+    import divergence.engine.kernels.blas  # noqa: F401  (before MLX)
     import divergence.analysis.bisect  # noqa: F401
-    import divergence.analysis.replay  # noqa: F401
+    import divergence.analysis.replayer  # noqa: F401
     import divergence.engine.engine  # noqa: F401
     import divergence.testing.plugin  # noqa: F401
     import divergence.trace.reader  # noqa: F401
     import divergence.trace.writer  # noqa: F401
     from divergence.fixtures import TARGET
-    from divergence.runner import RunConfig, load_models
+    from divergence.workloads.runner import RunConfig, load_models
 
     load_models(RunConfig(model=TARGET))
 

@@ -55,7 +55,7 @@ def test_traces_equal_on_paths_and_open_traces(diverged):
 
 def test_an_engine_is_run_as_configured_and_left_as_it_was(tmp_path):
     from divergence.engine.engine import Engine
-    from divergence.engine.model import load_model
+    from divergence.engine.model.loading import load_model
     from divergence.fixtures import TARGET
 
     engine = Engine(load_model(TARGET), policy="batch-invariant", stop_at_eos=False)

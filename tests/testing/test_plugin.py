@@ -107,7 +107,7 @@ divergence_max_tokens = 6
     pytester.makepyfile(test_ini=header + """
 from divergence import Trace
 from divergence.engine.engine import Engine
-from divergence.engine.model import load_model
+from divergence.engine.model.loading import load_model
 
 def settings(path):
     with Trace.open(path) as t:

@@ -3,7 +3,7 @@ our engine at TP=N vs mlx-lm's own Model.shard under the same group, generate_st
 import json
 import sys
 
-from divergence.engine import tp as tpmod
+from divergence.parallel import group as tpmod
 
 
 def main(out: str, model_dir: str, dtype: str, max_tokens: int) -> None:
@@ -13,7 +13,7 @@ def main(out: str, model_dir: str, dtype: str, max_tokens: int) -> None:
 
     from divergence import Request
     from divergence.engine.engine import Engine
-    from divergence.engine.model import DTYPES, load_model
+    from divergence.engine.model.loading import DTYPES, load_model
 
     tp = tpmod.init_from_env()
     prompts = ["def add(a, b):", "Return the number of", "class Parser:\n    \"\"\"", "import os"]

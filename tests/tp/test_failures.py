@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from divergence import tp_launch
+from divergence.parallel import launch as tp_launch
 
 from .conftest import ROOT
 
@@ -102,7 +102,7 @@ def test_a_taken_port_is_retried(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tp_launch, "free_ports", ports)
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    script = ("import sys; from divergence.cli.tp_cli import _as_rank\n"
+    script = ("import sys; from divergence.parallel.ranks import _as_rank\n"
               "class A: command = 'diff'\n"
               "A._run = staticmethod(lambda a: 0)\n"
               "sys.exit(_as_rank(A(), 2))\n")

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from divergence.tp_launch import launch
+from divergence.parallel.launch import launch
 
 from .conftest import ROOT, cli
 

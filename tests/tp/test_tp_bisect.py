@@ -60,7 +60,7 @@ def test_tp1_vs_tp2_bisect_names_sharded_ops_and_confirms_every_request(traces):
     for req in rep["requests"]:
         assert req["status"] == "diverged" and req["first_numeric_divergence"] is not None, req["id"]
         tpc = req["root_cause"]["tensor_parallel"]
-        assert tpc["sharded_to_all"] == ["o_proj", "down_proj"] and tpc["all_reduce"]["count"] > 0
+        assert tpc["sharded_to_all"] == ["o_proj", "down_proj"] and tpc["allreduce"]["count"] > 0
         assert req["confirmed"] is True, req["root_cause"]["confirm_detail"]
         assert "unsharded" in req["root_cause"]["confirm_detail"]
     text = cli("bisect", a, b, "--bitwise").stdout

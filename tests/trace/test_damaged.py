@@ -80,7 +80,7 @@ def test_the_undamaged_pair_reads(run_dir):
 def test_failed_replay_keeps_the_existing_out(run_dir, tmp_path, monkeypatch):
     """replay --out writes to a temporary name beside it, renamed at the end: a replay that fails
     half way leaves the earlier file as it was, and no partial file."""
-    from divergence.analysis.replay import Replayer
+    from divergence.analysis.replayer import Replayer
     from divergence.trace.writer import TraceWriter
     from divergence import Trace
 

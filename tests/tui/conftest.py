@@ -43,8 +43,8 @@ def real_pair(tmp_path_factory):
     for d in (target_dir, draft_dir):
         if not (d / "config.json").exists() or not any(d.glob("*.safetensors")):
             pytest.skip(f"fixture models not built ({d})")
-    from divergence.prompts import builtin_requests
-    from divergence.runner import RunConfig, load_models, run_schedules
+    from divergence.workloads.prompts import builtin_requests
+    from divergence.workloads.runner import RunConfig, load_models, run_schedules
 
     cfg = RunConfig(model=target_dir, draft=draft_dir, policy=DEMO_POLICY, spec_k=DEMO_SPEC_K)
     target, draft = load_models(cfg)

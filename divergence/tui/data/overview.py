@@ -84,7 +84,7 @@ def meta_rows(traces) -> list[tuple[str, list[str]]]:
 
 
 def _blas(env: dict) -> str | None:
-    """The BLAS and, where recorded, its thread count (it changes fp32 bits: divergence/blas.py)."""
+    """The BLAS and, where recorded, its thread count (it changes fp32 bits: divergence/engine/kernels/blas.py)."""
     n = env.get("blas_threads")
     blas = _short_blas(env.get("blas"))
     return blas if n is None else f"{blas} · {n} thread{'s' if n != 1 else ''}"

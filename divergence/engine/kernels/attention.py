@@ -1,0 +1,80 @@
+"""The attention kernels: SDPA over the paged cache, per sequence or batched.
+
+`per-seq`: each slice its own `scaled_dot_product_attention` over exactly its own
+K/V (no mask for one query row, "causal" for several), the call mlx-lm's
+generate_step makes. `batched`: the step's decode / verify slices in one call over
+K/V gathered block by block and right-padded to the longest, with a boolean mask
+(causal inside a slice, nothing past its length), the call a batched engine makes;
+no mask where it would mask nothing (equal lengths, one row each). `padded`:
+BatchGenerator's calls, every slice of the step in one masked call, decode K/V read
+left-padded (prepared.py lays the rows out). On MLX's CPU backend the two agree bit for bit for one-row queries (fp32 and bf16)
+and for verify rows in bf16; with OpenBLAS fp32 the padded reduction length changes
+verify rows in the last bit. On MLX CUDA a masked SDPA takes another kernel than an
+unmasked one: there they differ, as batched engines' outputs do.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import mlx.core as mx
+
+if TYPE_CHECKING:  # the step's layout and the cache are read, never built, here (model/ imports kernels/)
+    from ..model.kv_cache import PagedKVCache
+    from ..model.prepared import BatchedAttention, PreparedStep, SeqAttention
+
+sdpa = mx.fast.scaled_dot_product_attention
+
+
+def run_per_seq(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """One sequence: q [1, heads, n, hd] over its own k, v [1, kv_heads, L, hd]."""
+    return sdpa(q, k, v, scale=scale, mask="causal" if q.shape[2] > 1 else None)
+
+
+def run_batched(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """B sequences: q [B, heads, Q, hd] over padded k, v [B, kv_heads, L, hd], bool mask [B, 1, Q, L]
+    (None: nothing to mask).
+    (Looked up per call, like kernels.run_native: tests swap in other backends' behaviour.)"""
+    return sdpa(q, k, v, scale=scale, mask=mask)
+
+
+def attend(prep: PreparedStep, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
+    """q: [T, heads, 1, head_dim] (after RoPE) -> [T, heads * head_dim] in step row order."""
+    T, H, _, hd = q.shape
+    outs = []
+    for g in prep.groups:
+        if not g.batched:
+            outs.append(_one(g, layer, q, cache, scale))
+        else:
+            outs.append(_batched(g, layer, q, cache, scale))
+    a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    return a if prep.out_perm is None else a[prep.out_perm]
+
+
+def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
+    _, H, _, hd = q.shape
+    n = g.count
+    if n == 1:
+        qs = q[g.row : g.row + 1].reshape(1, H, 1, hd)
+    else:
+        qs = q[g.row : g.row + n].reshape(n, H, hd).transpose(1, 0, 2)[None]
+    k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
+    o = run_per_seq(qs, k, v, scale)
+    return o.reshape(1, H * hd) if n == 1 else o[0].transpose(1, 0, 2).reshape(n, H * hd)
+
+
+def _batched(g: BatchedAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
+    _, H, _, hd = q.shape
+    B, Q = g.tables.shape[0], g.queries
+    if g.q_index is None:
+        qs = q[g.row0 : g.row0 + B]  # [B, H, 1, hd]
+    elif Q == 1:
+        qs = q[g.q_index]
+    else:
+        qs = q[g.q_index].reshape(B, Q, H, hd).transpose(0, 2, 1, 3)
+    if g.left_slots is not None:
+        k, v = cache.gather_positions(layer, g.left_slots, B, g.length)
+    else:
+        k, v = cache.gather_batch(layer, g.tables, g.length)
+    o = run_batched(qs, k, v, g.mask, scale)  # [B, H, Q, hd]
+    o = o.reshape(B, H * hd) if Q == 1 else o.transpose(0, 2, 1, 3).reshape(B * Q, H * hd)
+    return o if g.out_index is None else o[g.out_index]

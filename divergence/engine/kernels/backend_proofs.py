@@ -1,0 +1,110 @@
+"""Facts of the backend in use, proved by a probe once and cached by its fingerprint.
+
+Which shortcut is bit-safe depends on the kernels the backend picks, and those depend on
+the device, the BLAS library, its core (OpenBLAS picks one per CPU, or OPENBLAS_CORETYPE)
+and its thread count. A proof is keyed by all of them, so a proof made under one core is
+never reused under another; it is kept in the user cache dir (DIVERGENCE_CACHE_DIR, else
+~/.cache/divergence) so that a run does not pay for the probe again.
+DIVERGENCE_PROOF_CACHE=off keeps proofs in memory only (each process probes again).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+import mlx.core as mx
+
+CACHE_ENV = "DIVERGENCE_CACHE_DIR"
+OFF_ENV = "DIVERGENCE_PROOF_CACHE"
+PROOF_METHOD = 1  # part of the fingerprint: a change of how things are proved must not reuse old proofs
+
+
+def fingerprint() -> dict:
+    """What decides the bits of a kernel here, beside the shapes and dtype a proof names."""
+    from .environment import environment
+
+    env = environment()
+    keys = ("backend", "device", "device_name", "mlx", "blas", "blas_core", "blas_config", "blas_threads")
+    return {"method": PROOF_METHOD, **{k: env.get(k) for k in keys}}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "divergence")
+
+
+class BackendProofs:
+    """proved(key, probe): probe() -> bool, run once per key and backend fingerprint."""
+
+    def __init__(self):
+        self._memo: dict[str, bool] = {}
+        self._fingerprint: dict | None = None  # the process's backend: read once
+        self._path: Path | None = None
+        self._loaded = False
+
+    def _file(self) -> Path | None:
+        if os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none"):
+            return None
+        if self._path is None:
+            self._fingerprint = fingerprint()
+            fp = json.dumps(self._fingerprint, sort_keys=True)
+            self._path = cache_dir() / f"proofs-{hashlib.sha256(fp.encode()).hexdigest()[:16]}.json"
+        return self._path
+
+    def _load(self) -> None:
+        self._loaded = True
+        path = self._file()
+        if path is None:
+            return
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return  # none yet, or unreadable: probe again
+        if isinstance(stored, dict):
+            self._memo.update({str(k): bool(v) for k, v in stored.get("proofs", {}).items()})
+
+    def proved(self, key: str, probe: Callable[[], bool]) -> bool:
+        if not self._loaded:
+            self._load()
+        if key not in self._memo:
+            self._memo[key] = bool(probe())
+            self._save()
+        return self._memo[key]
+
+    def _save(self) -> None:
+        path = self._file()
+        if path is None:
+            return
+        from ...core.atomic import write_atomic
+
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, json.dumps({"fingerprint": self._fingerprint, "proofs": self._memo}, sort_keys=True))
+        except OSError:  # a read-only home or a full disk: the proofs stay in memory
+            pass
+
+
+PROOFS = BackendProofs()  # one per process: the backend is the process's
+
+
+def row_alone_is_exact(op, m: int, row: int, dtype) -> bool:
+    """Does row `row` of an m-row call of `op` have the bits of that row computed alone?
+    The engine computes a prefill's logits for its last row only where this holds; where it
+    does not (small-matrix kernels, GEMV vs GEMM) it computes every row, as mlx-lm does."""
+    if m <= 1:
+        return True
+    quant = f"q{op.module.bits}g{op.module.group_size}" if op.quantized else str(op.weight_dtype)
+    key = f"row-alone:{op.name}:{op.n}x{op.k}:{quant}:{dtype}:{m}:{row}"
+
+    def probe() -> bool:
+        from .bits import raw_bits
+
+        x = mx.random.normal((m, op.k), key=mx.random.key(11)).astype(dtype)
+        whole = op.native(x)[row]
+        alone = op.native(x[row: row + 1])[0]
+        mx.eval(whole, alone)
+        return bool((raw_bits(whole) == raw_bits(alone)).all())
+
+    return PROOFS.proved(key, probe)

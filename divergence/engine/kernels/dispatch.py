@@ -1,0 +1,146 @@
+"""The one place that decides which kernel runs each linear op and each attention, and says so.
+
+A `KernelPolicy` maps a row count (and shape) to a kernel, and a step's number of
+decode slices to an attention kernel. The `KernelDispatcher` applies it to every
+linear op and every layer's attention of a step, honours per-step and per-op forcing
+(replay), and emits a `KernelChoice` event for each decision.
+
+Tensor parallelism: the dispatcher is given the rank's group (`parallel`, see
+divergence/parallel/group.py). A LinearOp marked sharded-to-all is then followed by the
+group's `reduce_partial`, whose AllReduce event goes out through `emit` like a kernel
+choice; a step forced UNSHARDED runs sharded ops through `run_unsharded` instead.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from . import attention, linear as kernels
+from ...core.events import AllReduce, KernelChoice
+from ...core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
+from .linear import LinearOp
+from .native_classes import AttentionClassProbe, NativeClassProbe
+from ...core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
+
+__all__ = ["KernelDispatcher", "KernelPolicy"]
+
+class KernelDispatcher:
+    """Runs linear ops for one model under a policy; emits KernelChoice events."""
+
+    def __init__(self, policy: KernelPolicy, model: str,
+                 emit: Callable[[KernelChoice | AllReduce], None] | None = None,
+                 classes: NativeClassProbe | None = None, attention_classes: AttentionClassProbe | None = None,
+                 parallel=None):
+        self.policy = policy
+        self.model = model
+        self.emit = emit
+        # Replay forcing: step -> policy for the whole step, {op name: policy} for some ops,
+        # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
+        self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
+        self._step = -1
+        self._unsharded: frozenset = frozenset()
+        # class signatures of native ops, for the trace; the forward's own probe when given,
+        # so signatures are measured once per model, not once per run
+        self.classes = classes or NativeClassProbe()
+        self.attention_classes = attention_classes or AttentionClassProbe()
+        self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
+        self.parallel = parallel  # the TP group (None: one device, nothing to reduce)
+        self._attn_sig = 0  # class signature of this step's attention (when recording)
+        self._plain = False
+
+    def begin_step(self, step: int) -> None:
+        self._step = step
+        forced = self.forced.get(step, self.policy)
+        # STEP:unsharded (every sharded op) or STEP:OP=unsharded: those ops on the full weights
+        self._unsharded = frozenset()
+        if isinstance(forced, UnshardedStep):
+            self._unsharded = frozenset(LINEAR_OPS)
+        elif isinstance(forced, dict) and any(isinstance(p, UnshardedStep) for p in forced.values()):
+            self._unsharded = frozenset(o for o, p in forced.items() if isinstance(p, UnshardedStep))
+            forced = {o: p for o, p in forced.items() if not isinstance(p, UnshardedStep)}
+        self._step_policy = self.policy if isinstance(forced, (SoloStep, UnshardedStep)) else forced
+        # every linear op of this step is the module's own call, with nothing to record or
+        # reduce: skip the per-op policy lookups (~170 ops per step on a 24-layer model)
+        sp = self._step_policy
+        self._plain = (isinstance(sp, KernelPolicy) and sp.threshold is None and sp.kernel_for(1) == NATIVE
+                       and self.emit is None and self.parallel is None and not self._unsharded)
+
+    @property
+    def step(self) -> int:
+        """The step being executed (ops outside this module record it too: MoE experts)."""
+        return self._step
+
+    def solo(self, step: int) -> bool:
+        """Is this step forced to run each of its requests alone?"""
+        return isinstance(self.forced.get(step), SoloStep)
+
+    def policy_for(self, op_name: str) -> KernelPolicy:
+        sp = self._step_policy
+        return sp.get(op_name, self.policy) if isinstance(sp, dict) else sp
+
+    def attention_kernel(self, step: int, decode_slices: int) -> str:
+        """The attention kernel of step `step` (forcing included), without entering the
+        step: the host may prepare a step while the previous one is still being built."""
+        forced = self.forced.get(step, self.policy)
+        if isinstance(forced, (SoloStep, UnshardedStep)):
+            forced = self.policy
+        pol = forced.get(ATTENTION, self.policy) if isinstance(forced, dict) else forced
+        if not isinstance(pol, KernelPolicy):  # attention=unsharded: attention is never sharded across ranks
+            pol = self.policy
+        return pol.attention_kernel(decode_slices)
+
+    def attend(self, prep, layer: int, q: mx.array, cache, scale: float) -> mx.array:
+        """One layer's attention for the prepared step (its kernel was chosen at prepare
+        time), recorded as op `attention`: m = query rows, n = sequences, k = the longest
+        KV length, kv_min = the shortest; native_class = the kernel's probed class."""
+        out = attention.attend(prep, layer, q, cache, scale)
+        if self.emit is not None:
+            if layer == 0:
+                self._attn_sig = self._attention_signature(prep, q, cache.kv_heads)
+            T = prep.attended_rows
+            self.emit(KernelChoice(self._step, self.model, layer, ATTENTION, T, prep.kernel, T, len(prep.kv_lens),
+                                   max(prep.kv_lens), 1, self._attn_sig, kv_min=min(prep.kv_lens)))
+        return out
+
+    def _attention_signature(self, prep, q: mx.array, kv_heads: int) -> int:
+        """Class of the step's decode attention: per-seq at its query rows, or batched at
+        its batch size. 0 (no class) for steps without decode / verify slices."""
+        queries = prep.decode_queries
+        if not queries:
+            return 0
+        _, heads, _, head_dim = q.shape
+        layout = next((g.layout for g in prep.groups if g.batched), "right")
+        return self.attention_classes.signature(prep.kernel, prep.batch, heads, kv_heads, head_dim, queries, q.dtype,
+                                                layout=layout)
+
+    def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
+        if self._plain:
+            return op.native(x)
+        if op.name in self._unsharded and op.shard is not None and self.parallel is not None:
+            return self.parallel.run_unsharded(self, x, op, layer)  # the full op, through run_kernel
+        return self.run_kernel(x, op, layer)
+
+    def run_kernel(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
+        m = x.shape[0]
+        policy = self.policy_for(op.name)
+        kernel = policy.kernel_for(m)
+        splits = 1
+        if kernel == GEMM:
+            group = op.module.group_size if op.quantized else 1
+            splits = policy.splits or kernels.gemm_splits(m, op.n, op.k, group=group)
+            out = kernels.run_gemm(x, op, splits)
+        elif kernel == GEMV:
+            out = kernels.run_gemv(x, op)
+        elif kernel == BATCH_INVARIANT:
+            out = kernels.run_batch_invariant(x, op)
+        else:
+            out = kernels.run_native(x, op)
+        if self.parallel is not None and op.shard == SHARDED_TO_ALL:
+            out, reduced = self.parallel.reduce_partial(self, out, op, layer)
+            if self.emit is not None:
+                self.emit(reduced)
+        if self.emit is not None:
+            sig = self.classes.signature(op, m, x.dtype) if kernel == NATIVE else 0
+            self.emit(KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits, sig))
+        return out

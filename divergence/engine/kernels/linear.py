@@ -1,0 +1,152 @@
+"""The linear-layer kernels the dispatcher chooses between.
+
+`native` is the backend exactly as it is (the module's own matmul or
+quantized_matmul). `gemv` runs the same native op one row at a time, so every
+row sees the M=1 kernel. `gemm` is a tiled kernel whose split-K comes from the
+(M, N, K) shape, as BLAS heuristics do, with partial sums rounded to the compute
+dtype: it really reorders the sum. `batch-invariant` pads rows to a fixed tile
+and calls the native op on that one shape only, so a row's bits never depend on
+how many other rows share the step, whatever the backend does per shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import splits as cpu_split
+from ...core.names import TP_SHARDING
+
+
+GEMM_TILE = 64  # output tile edge used by the split-K heuristic
+GEMM_TARGET_TILES = 32  # split K until about this many (tile x split) work items
+GEMM_MIN_CHUNK = 32  # never split K below this many columns
+INVARIANT_TILE = 8  # rows per call of the batch-invariant kernel
+
+
+@dataclass
+class LinearOp:
+    """One linear layer's weights, seen the same way whatever the module type."""
+
+    name: str
+    module: nn.Module  # nn.Linear / nn.QuantizedLinear / nn.Embedding (tied head)
+    n: int  # output features
+    k: int  # input features
+    tied_embedding: bool = False
+    # How tensor parallelism shards it (mlx-lm's shard_linear modes): the input-side
+    # projections split their outputs (all-to-sharded), o_proj / down_proj split their
+    # inputs and need an all-reduce after (sharded-to-all); None = replicated (lm_head).
+    shard: str | None = None
+    # Asked for every op of every step: looked up once (a module attribute probe goes
+    # through mlx.nn.Module.__getattr__, ~1 us each, dozens per step).
+    quantized: bool = field(init=False)
+    weight_dtype: object = field(init=False, repr=False)
+    splittable: bool = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.quantized = "scales" in self.module
+        self.weight_dtype = self.module.weight.dtype
+        # mlx.nn's modules split by columns (cpu_split); another module says whether it can
+        self.splittable = getattr(self.module, "splittable", True)
+        # the module's own product, bound once (mlx.nn's Module.__call__ -> Linear.__call__)
+        self._product = self.module.as_linear if self.tied_embedding else self.module.__call__
+
+    def native(self, x: mx.array) -> mx.array:
+        if cpu_split.MAY_SPLIT and self.splittable:
+            split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
+                                        self.quantized or x.dtype == self.weight_dtype, self.quantized)
+            if split is not None:
+                return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
+        return self._product(x)
+
+    @classmethod
+    def from_module(cls, name: str, module: nn.Module, *, tied_embedding: bool = False,
+                    shard: str | None = None) -> "LinearOp":
+        # Linear and Embedding weights are both [out, in] (the tied head reads the table as W).
+        n = module.weight.shape[0]
+        return cls(name=name, module=module, n=n, k=_input_features(module), tied_embedding=tied_embedding,
+                   shard=shard if shard is not None else SHARD_OF.get(name))
+
+
+SHARD_OF = TP_SHARDING  # the tensor-parallel mode of each op, as mlx-lm shards them
+
+
+def _input_features(module: nn.Module) -> int:
+    w = module.weight
+    if hasattr(module, "scales"):
+        # Packed: each uint32 holds 32 / bits values.
+        return w.shape[1] * 32 // module.bits
+    return w.shape[1]
+
+
+def gemm_splits(m: int, n: int, k: int, *, group: int = 1) -> int:
+    """Split-K partitions for an (M, N, K) product, chosen from the shape.
+
+    Like BLAS heuristics: few output tiles (small M or N) leave the machine idle,
+    so K is split to make more work items; never fewer than 2, so gemm always
+    reorders the sum relative to a plain dot product.
+    """
+    tiles = math.ceil(m / GEMM_TILE) * math.ceil(n / GEMM_TILE)
+    unit = max(GEMM_MIN_CHUNK, group)
+    max_splits = max(1, k // unit)
+    splits = 2
+    while splits * 2 <= max_splits and tiles * splits < GEMM_TARGET_TILES:
+        splits *= 2
+    return min(splits, max_splits)
+
+
+def run_native(x: mx.array, op: LinearOp) -> mx.array:
+    return op.native(x)
+
+
+def run_gemv(x: mx.array, op: LinearOp) -> mx.array:
+    if x.shape[0] == 1:
+        return op.native(x)
+    return mx.concatenate([op.native(x[i : i + 1]) for i in range(x.shape[0])], axis=0)
+
+
+def run_batch_invariant(x: mx.array, op: LinearOp) -> mx.array:
+    m = x.shape[0]
+    pad = (-m) % INVARIANT_TILE
+    if pad:
+        x = mx.concatenate([x, mx.zeros((pad, x.shape[1]), dtype=x.dtype)], axis=0)
+    tiles = [op.native(x[i : i + INVARIANT_TILE]) for i in range(0, x.shape[0], INVARIANT_TILE)]
+    out = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles, axis=0)
+    return out[:m] if pad else out
+
+
+def run_gemm(x: mx.array, op: LinearOp, splits: int) -> mx.array:
+    """Split-K product: partial products over K chunks, summed in the compute dtype."""
+    mod = op.module
+    k = op.k
+    group = getattr(mod, "group_size", 1) if op.quantized else 1
+    unit = max(GEMM_MIN_CHUNK, group)
+    chunk = math.ceil(k / splits / unit) * unit
+    acc = None
+    for k0 in range(0, k, chunk):
+        k1 = min(k, k0 + chunk)
+        part = _partial(x[:, k0:k1], op, k0, k1)
+        acc = part if acc is None else acc + part
+    if not op.tied_embedding and "bias" in mod:
+        acc = acc + mod.bias
+    return acc
+
+
+def _partial(xs: mx.array, op: LinearOp, k0: int, k1: int) -> mx.array:
+    mod = op.module
+    if not op.quantized:
+        return xs @ mod.weight[:, k0:k1].T
+    per_word = 32 // mod.bits
+    g = mod.group_size
+    return mx.quantized_matmul(
+        xs,
+        mod.weight[:, k0 // per_word : k1 // per_word],
+        scales=mod.scales[:, k0 // g : k1 // g],
+        biases=mod.biases[:, k0 // g : k1 // g] if "biases" in mod else None,
+        transpose=True,
+        group_size=g,
+        bits=mod.bits,
+        mode=getattr(mod, "mode", "affine"),
+    )

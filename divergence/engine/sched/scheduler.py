@@ -1,0 +1,231 @@
+"""Which sequences run in the next target step, how many rows each gets, and the
+bookkeeping of what their caches hold.
+
+Two policies over the same requests: `serial` runs one request at a time to
+completion in arrival order; `concurrent` is continuous batching: running
+requests' decode (or verify) rows first, then prefill chunks of new requests
+packed into the same step up to a token budget. Admission reserves a request's
+whole length in KV blocks (target and draft), so nothing is ever preempted
+mid-run. The scheduler owns every block allocation and every `num_cached` /
+`draft_cached` update; the step loop only reports what a step computed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ...core.events import DECODE, DRAFT, DRAFT_MODEL, PREFILL, TARGET, VERIFY, SeqSlice, StepPlan
+from ...core.names import BASE_SCHEDULES, CONCURRENT, SERIAL, WARM, WARMUP_PREFIX
+from ...core.request import Request
+from .blocks import BlockManager
+from .sequence import Sequence
+
+PENDING = -1  # a token id not known on the host yet (it is still being computed)
+
+# Where the prompt's last token is computed. "whole": inside the prefill, whose last row's
+# logits give token 1 (as vLLM and SGLang do). "mlx-lm": the prefill computes all but the
+# last prompt token, which is the first decode step's input (as mlx-lm's generate_step and
+# BatchGenerator do); at one request the engine's step shapes are then mlx-lm's, which on
+# a GPU (GEMV at one row, GEMM above) is what makes its numbers mlx-lm's bit for bit.
+WHOLE, MLX_LM = "whole", "mlx-lm"
+PREFILL_LAYOUTS = (WHOLE, MLX_LM)
+
+
+@dataclass
+class Work:
+    """One sequence's share of a target step."""
+
+    seq: Sequence
+    prefill: int = 0  # prompt rows to prefill this step (0 = decode/verify)
+
+
+class Scheduler:
+    def __init__(self, seqs: list[Sequence], *, schedule: str, token_budget: int, blocks: BlockManager,
+                 draft_blocks: BlockManager | None = None, spec_k: int = 0):
+        assert schedule in BASE_SCHEDULES
+        self.schedule_name = schedule
+        self.budget = token_budget
+        self.blocks = blocks
+        self.draft_blocks = draft_blocks
+        self.spec_k = spec_k if draft_blocks is not None else 0
+        self.decode_rows = self.spec_k + 1  # rows of one decode (1) or verify (k+1)
+        order = sorted(range(len(seqs)), key=lambda i: (seqs[i].request.arrival, i))
+        self.waiting: deque[Sequence] = deque(seqs[i] for i in order)
+        self.running: list[Sequence] = []
+        self.by_id = {s.id: s for s in seqs}
+
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def reserve_len(self, seq: Sequence) -> int:
+        # + spec_k + 1: a verify may compute k rows past the last token it keeps
+        return seq.prompt_len + seq.request.max_tokens + self.spec_k + 1
+
+    def next_arrival(self) -> int | None:
+        return self.waiting[0].request.arrival if self.waiting else None
+
+    # -- admission: the only place blocks are allocated ------------------------------------
+    def _admit(self, clock: int, admitted: list[Sequence]) -> None:
+        while self.waiting:
+            seq = self.waiting[0]
+            if self.schedule_name == CONCURRENT and seq.request.arrival > clock:
+                return
+            if self.schedule_name == SERIAL and self.running:
+                return
+            matched = self.blocks.match_prefix(seq.id, seq.request.prompt_tokens)
+            need = self.reserve_len(seq)
+            if not (self.blocks.can_allocate(seq.id, need)
+                    and (self.draft_blocks is None or self.draft_blocks.can_allocate(seq.id, need))):
+                self.blocks.free(seq.id)  # undo the prefix match; wait for memory
+                if not self.running:
+                    raise RuntimeError(f"request {seq.id!r} needs more KV blocks than the cache has")
+                return
+            self.blocks.allocate(seq.id, need)
+            if self.draft_blocks is not None:
+                self.draft_blocks.allocate(seq.id, need)
+            seq.num_cached = matched
+            self.waiting.popleft()
+            self.running.append(seq)
+            admitted.append(seq)
+
+    def schedule(self, clock: int) -> tuple[list[Work], list[Sequence]]:
+        """Plan the next target step. Returns (work, newly admitted sequences)."""
+        admitted: list[Sequence] = []
+        self._admit(clock, admitted)
+        work: list[Work] = []
+        budget = self.budget
+        for seq in self.running:  # decode / verify rows first: running requests never starve
+            if not seq.in_prefill:
+                work.append(Work(seq))
+                budget -= self.decode_rows
+        for seq in self.running:
+            if seq.in_prefill and budget > 0:
+                n = min(seq.prefill_end - seq.num_cached, budget)
+                work.append(Work(seq, prefill=n))
+                budget -= n
+        return work, admitted
+
+    def next_decode(self, work: list[Work], clock: int) -> list[Work] | None:
+        """The work of the step after `work` (an all-decode step, not committed yet) if it is
+        known before that step's tokens are: the same sequences decode again, less those that
+        end by length, and nothing can be admitted. None when it is not predictable. A
+        sequence ending by EOS makes the guess wrong; the step loop then rebuilds the step."""
+        if self.spec_k or not work or any(w.prefill for w in work):
+            return None
+        if self.waiting:
+            nxt = self.waiting[0]
+            if self.schedule_name == CONCURRENT and nxt.request.arrival <= clock + 1:
+                return None
+            if self.schedule_name == SERIAL and any(
+                    w.seq.num_generated + 1 >= w.seq.request.max_tokens for w in work):
+                return None
+        if len(work) != len(self.running):
+            return None
+        keep = [Work(w.seq) for w in work if w.seq.num_generated + 1 < w.seq.request.max_tokens]
+        return keep or None
+
+    # -- step plans: the row layout of a step (slices in work order, rows contiguous) -----
+    def target_plan(self, index: int, work: list[Work], proposals: dict | None = None, *,
+                    ahead: int = 0) -> StepPlan:
+        """The target step of `work`. proposals: request id -> draft tokens (verify rows);
+        ahead=1 plans a decode step one position past the committed tokens (its input token
+        is PENDING: the step before it has not returned it yet)."""
+        slices, row = [], 0
+        for w in work:
+            seq = w.seq
+            if w.prefill:
+                start = seq.num_cached
+                toks = tuple(seq.tokens[start : start + w.prefill])
+                last = start + w.prefill == seq.prompt_len  # (never, where the last token decodes)
+                sl = SeqSlice(seq.id, PREFILL, start, len(toks), row, toks, (len(toks) - 1,) if last else ())
+            elif proposals is not None:
+                toks = (seq.tokens[-1], *proposals[seq.id])
+                sl = SeqSlice(seq.id, VERIFY, len(seq.tokens) - 1, len(toks), row, tuple(toks),
+                              tuple(range(len(toks))))
+            else:
+                start = len(seq.tokens) - 1 + ahead
+                sl = SeqSlice(seq.id, DECODE, start, 1, row, (PENDING if ahead else seq.tokens[-1],), (0,))
+            slices.append(sl)
+            row += sl.count
+        return StepPlan(index, TARGET, tuple(slices))
+
+    def draft_len(self, seq: Sequence) -> int:
+        """Draft proposals this round: k, or fewer near max_tokens."""
+        return min(self.spec_k, seq.request.max_tokens - seq.num_generated)
+
+    def draft_plan(self, index: int, seqs: list[Sequence], j: int, last: dict[str, int]) -> StepPlan:
+        """Draft step j of a round: at j = 0 each sequence feeds what its draft cache lacks;
+        later one row each, the previous proposal (`last`, PENDING while on the device)."""
+        slices, row = [], 0
+        for s in seqs:
+            if j == 0:
+                start, toks = s.draft_cached, tuple(s.tokens[s.draft_cached :])
+            else:
+                start, toks = len(s.tokens) + j - 1, (last[s.id],)
+            slices.append(SeqSlice(s.id, DRAFT, start, len(toks), row, toks, (len(toks) - 1,)))
+            row += len(toks)
+        return StepPlan(index, DRAFT_MODEL, tuple(slices))
+
+    # -- commits: what a step computed ------------------------------------------------------
+    def computed(self, plan: StepPlan) -> None:
+        """Positions a step wrote into its model's cache (all phases but verify, whose kept
+        rows are known only after acceptance: see accepted)."""
+        for sl in plan.slices:
+            seq = self.by_id[sl.request_id]
+            if sl.phase == DRAFT:
+                seq.draft_cached = sl.start + sl.count
+            elif sl.phase == PREFILL:
+                seq.num_cached = sl.start + sl.count
+                self.blocks.register_prefix(seq.id, seq.tokens, seq.num_cached)
+            elif sl.phase == DECODE:
+                seq.num_cached = sl.start + 1
+                if seq.num_cached == seq.prompt_len:  # it fed the prompt's last token (mlx-lm layout)
+                    self.blocks.register_prefix(seq.id, seq.tokens, seq.num_cached)
+
+    def accepted(self, seq: Sequence, n_accepted: int) -> None:
+        """A verify kept its first n_accepted proposals: rows past them are rolled back
+        (overwritten later), in both caches. Call before the tokens are appended."""
+        n = len(seq.tokens)
+        seq.num_cached = n + n_accepted
+        seq.draft_cached = min(seq.draft_cached, n + n_accepted)
+        if n == seq.prompt_len:  # this verify computed the prompt's last token
+            self.blocks.register_prefix(seq.id, seq.tokens, n)
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.id)
+        if self.draft_blocks is not None:
+            self.draft_blocks.free(seq.id)
+
+
+def admit_recorded(blocks: BlockManager, request, reserve: int, first_start: int, *, prefix: bool) -> int:
+    """Replay's admission: give a request its blocks as the recording did. A recorded run
+    that started past position 0 found its prefix in the cache, and so does the replay
+    (same plans, same order). Returns the matched prefix length."""
+    matched = 0
+    if first_start and prefix:
+        # at most what the recording found: a forced replay (relayout) may have cached more
+        matched = blocks.match_prefix(request.id, request.prompt_tokens[: first_start + 1])
+        if matched != first_start:
+            raise ValueError(f"replay of {request.id!r}: prefix cache holds {matched} tokens, the recording had "
+                             f"{first_start}")
+    blocks.allocate(request.id, reserve)
+    return matched
+
+
+def phases(seqs: list[Sequence], schedule: str, sequence) -> list[tuple[list[Sequence], str]]:
+    """The (sequences, base schedule) phases a schedule runs. warm: the cache is first
+    filled by other requests (the same prompts, one token each, batched), then the
+    requests run serially on top of it: "cold vs warm" as one more schedule.
+    sequence: makes the Sequence of a warm-up Request (the run's prefill layout)."""
+    if schedule != WARM:
+        return [(seqs, schedule)]
+    warm = [sequence(Request(WARMUP_PREFIX + q.id, q.request.prompt_tokens, max_tokens=1)) for q in seqs]
+    return [(warm, CONCURRENT), (seqs, SERIAL)]
+
+
+def blocks_needed(seqs: list[Sequence], block_size: int, extra: int, *, copies: int = 1) -> int:
+    """KV blocks for every sequence's prompt, its max_tokens and `extra` speculative rows;
+    `copies` times (warm holds its warm-up copies too)."""
+    need = sum(-(-(s.prompt_len + s.request.max_tokens + extra) // block_size) for s in seqs)
+    return max(copies * need, 1)
