@@ -304,3 +304,14 @@ def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, default=str) + "\n")
     print(f"[bench] wrote {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+
+
+def out_path(name: str, quick: bool, out=None) -> Path:
+    """Where a bench writes its JSON: --out when given; a full run: bench/results/<name>.json
+    (the latest result of each bench); --quick: a temp dir, so a check of the script does not
+    replace the recorded measurement."""
+    if out:
+        return Path(out)
+    if quick:
+        return Path(tempfile.gettempdir()) / "divergence-bench" / "quick" / f"{name}.json"
+    return RESULTS / f"{name}.json"

@@ -1,0 +1,54 @@
+"""The KV hashes a trace stores: xxh3_64 of each position's exact bytes, whatever the
+array's dtype, shape, byte order or memory layout, and per (layer, position) for a step."""
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import xxhash
+
+from divergence.core.hashing import hash_rows
+from divergence.engine.kv_events import kv_hashes
+
+
+def reference(arr: np.ndarray) -> np.ndarray:
+    """One xxh3 per row of the row's little-endian bytes, written out plainly."""
+    le = arr.astype(arr.dtype.newbyteorder("<"))
+    return np.array([xxhash.xxh3_64_intdigest(np.ascontiguousarray(le[i]).tobytes()) for i in range(len(arr))],
+                    dtype=np.uint64)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "<u2", "float16", "float32", ">f4", "uint32", "float64", "int64"])
+@pytest.mark.parametrize("shape", [(1, 1), (7, 3), (33, 2, 64), (16, 128), (5, 4, 80), (3, 1031)])
+def test_hash_rows_is_xxh3_of_each_row(dtype, shape):
+    rng = np.random.default_rng(abs(hash((dtype, shape))) % 2**32)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    arr = raw.view(dtype).reshape(shape)
+    got = hash_rows(arr)
+    assert got.dtype == np.uint64 and got.shape == (shape[0],)
+    assert np.array_equal(got, reference(arr))
+
+
+def test_hash_rows_of_a_strided_view_hashes_its_values():
+    arr = np.random.default_rng(1).standard_normal((12, 40)).astype(np.float32)
+    view = arr[::2, ::3]
+    assert not view.flags.c_contiguous
+    assert np.array_equal(hash_rows(view), reference(np.ascontiguousarray(view)))
+
+
+def test_hash_rows_of_no_rows():
+    assert hash_rows(np.zeros((0, 16), np.float32)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_step_hashes_are_per_layer_and_position(dtype):
+    layers, t, kv_heads, head_dim = 3, 5, 2, 64
+    k = mx.random.normal((layers, t, kv_heads, head_dim), key=mx.random.key(0)).astype(dtype)
+    v = mx.random.normal((layers, t, kv_heads, head_dim), key=mx.random.key(1)).astype(dtype)
+    kh, vh = kv_hashes(k, v)
+    assert kh.shape == vh.shape == (layers, t)
+    for a, h in ((k, kh), (v, vh)):
+        raw = np.array(a.view(mx.uint16 if dtype != mx.float32 else mx.uint32))
+        for layer in range(layers):
+            for pos in range(t):
+                assert int(h[layer, pos]) == xxhash.xxh3_64_intdigest(raw[layer, pos].tobytes())
