@@ -207,7 +207,7 @@ class Server:
         if gen.finish == "error":
             raise ApiError("the engine failed while serving this request", status=500, kind="server_error",
                            code="engine_error")
-        text = gen.detok.text if gen.detok.stopped else gen.detok.text
+        text = gen.detok.text
         choice = {"index": 0, "finish_reason": self._finish_reason(gen),
                   "logprobs": gen.logprobs_json(gen.logprobs)}
         if gen.p.kind == CHAT:

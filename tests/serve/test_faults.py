@@ -46,7 +46,7 @@ def test_a_client_that_leaves_mid_stream_cancels_and_frees_its_blocks(serve):
 
 
 def test_sigkill_leaves_a_trace_that_opens_with_every_finished_request(serve, tmp_path):
-    from divergence.engine.model import load_cached
+    from divergence.engine.model.loading import load_cached
 
     s = serve()
     client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)

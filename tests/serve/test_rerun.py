@@ -41,7 +41,7 @@ async def _load(base_url: str, clients: int, per_client: int, max_tokens: int) -
 
 
 def test_16_clients_each_answer_is_the_traces_and_serial_rerun_is_identical(serve, tmp_path):
-    from divergence.engine.model import load_cached
+    from divergence.engine.model.loading import load_cached
 
     s = serve()
     t0 = time.monotonic()
