@@ -23,7 +23,7 @@ from ..core.events import (
     AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, TokenEvent,
 )
 from ..errors import TraceError
-from . import layout
+from . import layout, reserve
 from . import schema as S
 from .encode import Batch, Cols, Encoder
 from .h5lock import H5_LOCK
@@ -81,6 +81,7 @@ class TraceWriter(Observer):
         self._error: BaseException | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
+        self._reserve = None  # trace/reserve.py: room for HDF5 to finish with, held while the file is open
 
     # -- context manager: a crash inside still leaves a file marked incomplete --
     def __enter__(self):
@@ -115,6 +116,7 @@ class TraceWriter(Observer):
             self._open()
 
     def _open(self) -> None:
+        self._reserve = reserve.take(self.path)  # room for HDF5 to close the file should the disk fill
         with H5_LOCK:
             self.f, self.tables, self._commit = self._create()
 
@@ -293,6 +295,8 @@ class TraceWriter(Observer):
                         else:  # HDF5 still holds data it cannot write: closing it (or GC) would crash
                             _abandon(f)
                         self.tables, self._commit = {}, None
+            reserve.release(self._reserve)
+            self._reserve = None
         if error is not None and raise_errors:
             raise error
 
@@ -314,7 +318,9 @@ _ABANDONED: list = []  # ids of files whose writes failed, kept open (and refere
 
 
 def _flushes(f) -> bool:
-    """Whether f's unwritten data now reaches the disk (a passing failure): then it closes cleanly."""
+    """Whether f's unwritten data now reaches the disk (with the reserves' room given back to
+    HDF5, trace/reserve.py): then it closes cleanly."""
+    reserve.release_all()
     try:
         f.flush()
         return True
