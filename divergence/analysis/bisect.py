@@ -16,149 +16,16 @@ Replay (`confirm`) turns the lead into proof.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from ..core.labels import kernel_label
-from ..core.names import ATTENTION
+from ..core.names import MODELS
+from .cause import CACHE_CONTAMINATION, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, ReplayBisection, RootCause
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
+from .environment import environment_differs
+from .routing import find_routing_flip
+from .sampler import sampler_story
+from .step_view import WRITE_OPS, step_view, step_views
 from .tp import describe as tp_describe
-from .sampler import SamplerStory, sampler_story
-
-CACHE_CONTAMINATION = "cache_contamination"
-STEP_COMPUTE = "step_compute"
-SAMPLER = "sampler"
-ENVIRONMENT = "environment"  # the same step, laid out alike, computed under another BLAS / core / device
-WRITE_OPS = ("k_proj", "v_proj")  # the ops whose output is written to the cache
-
-# How a cause's confirmation was run (RootCause.confirmed_by): each confirmer sets one of
-# these names; CONFIRMED_BY words them for the text report and the HTML page.
-BY_REPLAY = "replay"  # this engine's replay of B, the step's ops on A's kernels
-BY_REPLAY_SOLO = "replay_solo"  # ... the step run request by request, as A ran it
-BY_REPLAY_PREFILL = "replay_prefill"  # ... the request's prompt computed in A's prefill passes
-BY_REPLAY_UNSHARDED = "replay_unsharded"  # ... the TP side's sharded ops unsharded
-BY_COMMAND = "command"  # the user's engine, re-run by --confirm-cmd
-BY_ENVIRONMENT = "environment"  # B replayed under A's recorded environment
-CONFIRMED_BY = {
-    BY_REPLAY: "this engine's replay of B with the step's kernels forced to A's (--confirm)",
-    BY_REPLAY_SOLO: "this engine's replay of B with the step run request by request (solo), as A ran it (--confirm)",
-    BY_REPLAY_PREFILL: "this engine's replay of B with the request's prompt computed in A's prefill passes, "
-                       "each request alone (--confirm)",
-    BY_REPLAY_UNSHARDED: "this engine's replay of the TP side with its sharded ops unsharded (--confirm)",
-    BY_COMMAND: "your engine, re-run by your command with the step changed (--confirm-cmd)",
-    BY_ENVIRONMENT: "this engine's replay of B under A's recorded environment (--confirm)",
-}
-
-
-@dataclass
-class StepView:
-    """What a step was: rows, who was in it, which kernels ran."""
-
-    step: int
-    rows: int
-    composition: list[dict]  # request_id, phase, start, count, row_offset
-    kernel: str  # label of the op named by the root cause, e.g. "gemm/4"
-    kernels: dict  # op -> kernel label (first layer where the op ran; lm_head included)
-    # op -> (rows, native class signature) where the op ran natively (see engine.kernels.native_classes)
-    native: dict = field(default_factory=dict)
-    attention_class: int = 0  # probed class of the step's attention kernel; 0 = unknown / no decode rows
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "rows": self.rows, "composition": self.composition,
-                "kernel": self.kernel, "kernels": self.kernels}
-
-
-@dataclass
-class RootCause:
-    kind: str
-    layer: int | None
-    positions: list[int]  # positions of the earliest differing write (B side)
-    a: StepView
-    b: StepView
-    co_batched_b: list[str]
-    finished_before_divergence: dict = field(default_factory=dict)  # co-batched id -> finish step
-    op: str | None = None  # the op whose kernel differs between the two steps
-    confirmed: bool | None = None
-    confirm_detail: str = ""
-    # how the confirmation was run (a CONFIRMED_BY name), whatever its result; None: none ran
-    confirmed_by: str | None = None
-    routing_flip: object = None  # analysis.routing.RoutingFlip on the path to the divergence (MoE models)
-    tensor_parallel: dict | None = None  # TP=1 vs TP=N pairs: see analysis.tp.describe
-    sampler: SamplerStory | None = None  # where the flip's uniform draw fell in each trace
-    model: str = "target"  # the model whose steps a and b are (draft: a sampler cause's q)
-    first_op: object = None  # analysis.ops.OpDifference: the first op whose output rows differ (--ops / --confirm)
-    first_op_detail: str = ""  # why there is none, when it was asked for
-    env_diff: dict | None = None  # an environment cause: recorded field -> (A's, B's)
-
-    @property
-    def native_class_changes(self) -> dict[str, tuple[int, int]]:
-        """op -> (rows in A, rows in B) for the natively run ops whose probed kernel class
-        differs between the two steps: the backend computed those rows another way."""
-        return native_class_changes(self.a, self.b)
-
-    def to_json(self) -> dict:
-        return {
-            "kind": self.kind, "layer": self.layer, "positions": self.positions, "op": self.op,
-            "step_a": self.a.step, "step_b": self.b.step, "rows_a": self.a.rows, "rows_b": self.b.rows,
-            "kernel_a": self.a.kernel, "kernel_b": self.b.kernel, "co_batched_b": self.co_batched_b,
-            "composition_a": self.a.composition, "composition_b": self.b.composition,
-            "kernels_a": self.a.kernels, "kernels_b": self.b.kernels,
-            "finished_before_divergence": self.finished_before_divergence,
-            "native_class_changes": {op: {"rows_a": ra, "rows_b": rb}
-                                     for op, (ra, rb) in self.native_class_changes.items()},
-            "confirm_detail": self.confirm_detail,
-            "confirmed_by": self.confirmed_by,
-            "routing_flip": self.routing_flip.to_json() if self.routing_flip is not None else None,
-            "tensor_parallel": self.tensor_parallel,
-            "model": self.model,
-            "first_op": self.first_op.to_json() if self.first_op is not None else None,
-            "first_op_detail": self.first_op_detail,
-            "sampler": self.sampler.to_json() if self.sampler else None,
-            "env_diff": {k: list(v) for k, v in self.env_diff.items()} if self.env_diff else None,
-        }
-
-
-@dataclass
-class ReplayBisection:
-    """What a replay bisector (analysis.confirm.make_replay_bisector) found for one request:
-    the cause (confirmed by its own replays) or None, the replays it ran, and why none was found."""
-
-    cause: RootCause | None
-    replays: int = 0
-    why_not_found: str | None = None
-
-
-@dataclass
-class BisectReport:
-    diff: DiffReport
-    causes: dict[str, RootCause]  # request id -> root cause
-    mode: str = "kv-hashes"  # or "replay" when the traces had no KV hashes
-    confirm_requested: bool = False
-    unexplained: dict[str, str] = field(default_factory=dict)  # request id -> why no cause was found
-
-    @property
-    def identical(self) -> bool:
-        return self.diff.identical
-
-    def groups(self) -> dict[tuple, list[str]]:
-        """Requests that share one root-cause step (B side)."""
-        out: dict[tuple, list[str]] = {}
-        for rid, c in self.causes.items():
-            out.setdefault((c.kind, c.b.step), []).append(rid)
-        return out
-
-    def to_json(self) -> dict:
-        j = self.diff.to_json()
-        j["mode"] = self.mode
-        for r in j["requests"]:
-            c = self.causes.get(r["id"])
-            r["root_cause"] = c.to_json() if c else None
-            if r["id"] in self.unexplained:
-                r["root_cause_not_found"] = self.unexplained[r["id"]]
-            r["confirmed"] = (c.confirmed if c else None) if self.confirm_requested else None
-        j["groups"] = [{"kind": k[0], "step_b": k[1], "requests": v} for k, v in self.groups().items()]
-        return j
 
 
 def _lead_without_hashes(a, b, rd: RequestDiff, d: DiffReport) -> str:
@@ -180,85 +47,11 @@ def as_environment_cause(a, b, cause: RootCause) -> None:
     """Two runs of one schedule in different numeric environments: where the lead is the same
     step, with the same composition in both, what changed its bits is the environment (the
     BLAS, its core, the device), not the batch. The cause says so, with the fields."""
-    from .environment import environment_differs
-
     env = environment_differs(a, b)
     if not env or cause.kind == SAMPLER or a.meta.get("schedule") != b.meta.get("schedule"):
         return
     if cause.a.step == cause.b.step and cause.a.composition == cause.b.composition:
         cause.kind, cause.env_diff = ENVIRONMENT, env
-
-
-def step_kernels(trace, step: int) -> dict[str, str]:
-    """op -> kernel label of one step (ops in forward order, lm_head last)."""
-    return _labels(trace.kernels(step=step))
-
-
-def _labels(ks: dict) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for op, kernel, splits in zip(ks["op"], ks["kernel"], ks["splits"]):
-        out.setdefault(str(op), kernel_label(str(kernel), int(splits)))
-    return out
-
-
-def _native_classes(ks: dict) -> dict[str, tuple[int, int]]:
-    """op -> (rows, native class signature) for the ops of one step that ran natively."""
-    out: dict[str, tuple[int, int]] = {}
-    for op, rows, cls in zip(ks["op"], ks["rows"], ks["native_class"]):
-        if int(cls) and op != ATTENTION:
-            out.setdefault(str(op), (int(rows), int(cls)))
-    return out
-
-
-def _attention_class(ks: dict) -> int:
-    sel = np.flatnonzero(np.asarray(ks["op"]) == ATTENTION)
-    return int(ks["native_class"][sel[0]]) if len(sel) else 0
-
-
-def _attention_differs(a: "StepView", b: "StepView") -> bool:
-    """Attention counts as changed unless both classes are known and equal (a batched call
-    that the probe showed bitwise equal to per-sequence calls changed nothing)."""
-    if a.kernels.get(ATTENTION) == b.kernels.get(ATTENTION):
-        return bool(a.attention_class and b.attention_class and a.attention_class != b.attention_class)
-    return not (a.attention_class and a.attention_class == b.attention_class)
-
-
-def native_class_changes(a: StepView, b: StepView) -> dict[str, tuple[int, int]]:
-    return {op: (a.native[op][0], rb) for op, (rb, cb) in b.native.items()
-            if op in a.native and a.native[op][1] != cb}
-
-
-def step_view(trace, step: int) -> StepView:
-    plan = trace.step_plan(step)
-    comp = [{"request_id": s.request_id, "phase": s.phase, "start": s.start, "count": s.count,
-             "row_offset": s.row_offset} for s in plan.slices]
-    ks = trace.kernels(step=step)  # read once: labels and native classes come from the same records
-    return StepView(step, plan.rows, comp, "?", _labels(ks), _native_classes(ks), _attention_class(ks))
-
-
-def _name_op(a: StepView, b: StepView, prefer=WRITE_OPS) -> str | None:
-    """The op whose kernel differs between the two steps (the K/V writers first): by label,
-    else (both native) by probed kernel class. None when both ran natively and no linear
-    op changed class: the row-count dependence is in another op (attention, norms)."""
-    ops = [o for o in b.kernels if o != ATTENTION and a.kernels.get(o) != b.kernels.get(o)]
-    if not ops and a.native and b.native:
-        ops = list(native_class_changes(a, b))
-    if not ops and ATTENTION in b.kernels and _attention_differs(a, b):
-        ops = [ATTENTION]
-    if not ops and a.native and b.native:
-        return None
-    for o in prefer:
-        if o in ops:
-            return o
-    return ops[0] if ops else (prefer[0] if prefer[0] in b.kernels else next(iter(b.kernels), None))
-
-
-def step_views(a, b, step_a: int, step_b: int, prefer=WRITE_OPS) -> tuple[StepView, StepView, str | None]:
-    va, vb = step_view(a, step_a), step_view(b, step_b)
-    op = _name_op(va, vb, prefer)
-    va.kernel, vb.kernel = va.kernels.get(op, "native" if va.native else "?"), \
-        vb.kernels.get(op, "native" if vb.native else "?")
-    return va, vb, op
 
 
 def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
@@ -355,8 +148,6 @@ def draft_step(trace, rid: str, position: int, before: int) -> int | None:
 
 
 def _model_code(trace, name: str) -> int:
-    from ..core.names import MODELS
-
     return MODELS.index(name)
 
 
@@ -399,8 +190,6 @@ def finished_before(trace, ids, until: int) -> dict[str, int]:
 
 def _routing_flip(a, b, rd: RequestDiff):
     """The earliest routing flip among the rows the divergent step read (MoE traces)."""
-    from .routing import find_routing_flip
-
     tok, num = rd.first_divergent_token, rd.first_numeric_divergence
     site = tok if tok is not None else num
     return find_routing_flip(a, b, rd.id, position=site.position, step_a=site.step_a, step_b=site.step_b)
@@ -412,7 +201,7 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     replays B with the root-cause step forced to A's kernels (see analysis.replayer).
     Traces without KV hashes need `replay_bisector(request_diff)` -> ReplayBisection (or the
     tuple of its fields): a binary search over steps by replay
-    (analysis.replayer.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
+    (analysis.confirm.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
     bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
     op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
     steps recording every op's output rows (analysis.replayer.make_op_finder)."""

@@ -116,7 +116,7 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
         return out, values["force"]
 
     def confirm(cause, rd):
-        from .bisect import BY_COMMAND
+        from .cause import BY_COMMAND
 
         got = rerun_confirm(cause, rd)
         cause.confirmed_by = BY_COMMAND if got[0] is not None else None

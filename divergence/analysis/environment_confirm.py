@@ -87,7 +87,7 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
     cause_fields: list = []
 
     def confirm(cause, rd):
-        from .bisect import BY_ENVIRONMENT
+        from .cause import BY_ENVIRONMENT
 
         got = env_confirm(cause, rd)
         cause.confirmed_by = BY_ENVIRONMENT if got[0] is not None else None

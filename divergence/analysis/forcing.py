@@ -37,7 +37,7 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
     alone: run the step as A ran it (SOLO / RelayoutStep) whatever the kernel labels."""
     from ..core.names import ATTENTION
     from ..core.policy import SOLO, RelayoutStep
-    from .bisect import step_kernels
+    from .step_view import step_kernels
 
     ka = step_kernels(a, step_a)
     kb = step_kernels(b, step_b)

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import DivergenceInputError
-from .bisect import BY_REPLAY_UNSHARDED, ENVIRONMENT, BisectReport, bisect_traces
+from .bisect import bisect_traces
+from .cause import BY_REPLAY_UNSHARDED, ENVIRONMENT, BisectReport
 from .diff import pair_labels
 
 

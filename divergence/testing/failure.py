@@ -17,7 +17,7 @@ class Comparison:
 
     path_a: str
     path_b: str
-    report: object  # analysis.bisect.BisectReport
+    report: object  # analysis.cause.BisectReport
     vocab: list | None = None
     label_a: str = "A"
     label_b: str = "B"

@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 
 from divergence import Trace
-from divergence.analysis.bisect import bisect_traces, step_kernels
+from divergence.analysis.bisect import bisect_traces
+from divergence.analysis.step_view import step_kernels
 from divergence.analysis.forcing import force_like_a, prefill_as_a
 from divergence.analysis.replayer import Replayer, make_confirmer
 from divergence.analysis.report import render_bisect

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from divergence.analysis import confirm as C
-from divergence.analysis.bisect import (BY_REPLAY, BY_REPLAY_PREFILL, BY_REPLAY_SOLO, ReplayBisection,
-                                        bisect_traces)
+from divergence.analysis.bisect import bisect_traces
+from divergence.analysis.cause import BY_REPLAY, BY_REPLAY_PREFILL, BY_REPLAY_SOLO, ReplayBisection
+from divergence.analysis.confirm import confirmer
+from divergence.analysis.forcing import forcing_words
 from divergence.core.policy import SOLO, RelayoutStep
 
 
@@ -36,7 +38,7 @@ class FakeCase:
         return SOLO if alone or not self.kernels else {"k_proj": f"A{step_a}"}
 
     def words(self, forced):
-        return C.forcing_words(forced, "A")
+        return forcing_words(forced, "A")
 
     def where(self, i):
         return f"generated #{i}"
@@ -135,7 +137,7 @@ def test_climb_stops_at_the_first_rung_that_confirms_and_unconfirmed_names_the_s
 
 def test_make_confirmer_sets_how_it_confirmed(monkeypatch):
     case = FakeCase(lambda f: all(v is SOLO for v in f.values()))
-    monkeypatch.setattr(C, "Case", lambda *a, **k: case)
+    monkeypatch.setattr(confirmer, "Case", lambda *a, **k: case)
     confirm = C.make_confirmer(None, None, None)
     cause = case.cause
     ok, detail = confirm(cause, case.rd)
@@ -143,7 +145,7 @@ def test_make_confirmer_sets_how_it_confirmed(monkeypatch):
 
     def refuse(forced):
         case.by_tried = BY_REPLAY
-        raise C._ForcingRefused("no relayout")
+        raise C.ForcingRefused("no relayout")
 
     case.check = refuse
     ok, detail = confirm(cause, case.rd)

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from divergence.analysis.bisect import BY_COMMAND, BY_REPLAY, CONFIRMED_BY, bisect_traces
+from divergence.analysis.bisect import bisect_traces
+from divergence.analysis.cause import BY_COMMAND, BY_REPLAY, CONFIRMED_BY
 from divergence.analysis.html import render_html
 from divergence.analysis.report import render_bisect
 from divergence.cli.main import main

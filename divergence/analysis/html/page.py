@@ -11,7 +11,7 @@ import html
 from pathlib import Path
 
 from ...core.labels import span_text
-from ..bisect import BY_COMMAND, BY_ENVIRONMENT, BY_REPLAY, CONFIRMED_BY
+from ..cause import BY_COMMAND, BY_ENVIRONMENT, BY_REPLAY, CONFIRMED_BY
 from ..report import confirm_hint, request_lines
 from . import data as D
 from . import plots
@@ -169,7 +169,7 @@ def _headline(rc: dict, lb: str) -> str:
     return ", ".join(bits)
 
 
-# the badge's "by ...", per RootCause.confirmed_by (analysis.bisect.CONFIRMED_BY); the replays' default
+# the badge's "by ...", per RootCause.confirmed_by (analysis.cause.CONFIRMED_BY); the replays' default
 BADGE_BY = {BY_COMMAND: "your command (--confirm-cmd)", BY_ENVIRONMENT: "replay under A's environment"}
 
 

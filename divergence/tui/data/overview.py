@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...analysis.bisect import RootCause
+from ...analysis.cause import RootCause
 from ...analysis.diff import DIVERGED, RequestDiff
 from ...analysis.report import KIND_TEXT
 

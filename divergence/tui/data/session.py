@@ -6,7 +6,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ...analysis.bisect import BisectReport, RootCause
+from ...analysis.cause import BisectReport, RootCause
 from ...analysis.pipeline import AnalysisOptions, analyze_pair
 from ...analysis.diff import DIVERGED, DiffReport, RequestDiff, check_comparable
 from ...analysis.report import KIND_TEXT, request_lines

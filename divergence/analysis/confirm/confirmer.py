@@ -1,0 +1,40 @@
+"""The replay confirmer bisect_traces calls for each cause: it climbs the rungs."""
+from __future__ import annotations
+
+from .case import Case
+from .replays import ForcingRefused, NotARerun
+from .rungs import DRAW_RUNGS, RUNGS, climb, unconfirmed
+
+
+def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
+    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces; it sets
+    cause.confirmed_by (how the replay forced B) where a replay ran.
+
+    What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
+    A's logits bit for bit up to the first position where they differed. The rungs, in
+    order (RUNGS): the cause step run as A ran it (rung_kernels); every suspect step forced
+    (rung_suspects); those steps each request alone with A's rows (rung_solo); the prompt
+    in A's prefill passes (rung_prefill). A sampler cause (the draft's q) is proved at the
+    draw (DRAW_RUNGS); any sampled token under speculative decoding forces the draft's steps.
+    """
+
+    def confirm(cause, rd):
+        if cause.kind == "sampler" and cause.model != "draft":
+            return None, "a sampler cause with equal logits and no draft involved has no kernel to force", None
+        case = Case(a, b, replayer, cause, rd, label_a, label_b)
+        try:
+            got, tried = climb(case, DRAW_RUNGS if cause.kind == "sampler" and cause.sampler is not None else RUNGS)
+        except ForcingRefused as e:
+            return False, f"the replay refused a forcing it needed ({e})", case.by_tried
+        except NotARerun as e:
+            return False, f"not a valid re-run of {label_b}: {e}", case.by_tried
+        if got is None:
+            got = unconfirmed(tried)
+        return got.confirmed, got.detail, got.by
+
+    def confirm_and_say_how(cause, rd):
+        ok, detail, by = confirm(cause, rd)
+        cause.confirmed_by = by if ok is not None else None
+        return ok, detail
+
+    return confirm_and_say_how

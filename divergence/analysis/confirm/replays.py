@@ -1,0 +1,110 @@
+"""B replayed with a forcing, checked to be B with only that change (analysis.rerun_check)
+before its tokens or its draws are trusted."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...core.events import Observer
+from ...core.policy import RelayoutStep, SoloStep
+from ..cause import BY_REPLAY, BY_REPLAY_SOLO
+from ..rerun_check import RunRecord, asked_of_forcing, check_rerun
+
+
+def replay_kind(forced: dict) -> str:
+    """How a forcing replays B (a CONFIRMED_BY name): every forced step run as A ran it
+    (request by request, A's rows) or, where any step runs on A's kernels, A's kernels."""
+    return BY_REPLAY_SOLO if forced and all(isinstance(v, (SoloStep, RelayoutStep)) for v in forced.values()) \
+        else BY_REPLAY
+
+
+class ForcingRefused(Exception):
+    """A forced replay that could not run (its relayout does not fit the recorded plans)."""
+
+
+class NotARerun(Exception):
+    """A replay that is not B with only the forced change (analysis.rerun_check): its
+    tokens prove nothing; the message is the first difference."""
+
+
+def check_replay(b, record, forced: dict) -> None:
+    """Raise NotARerun unless the recorded replay is B with only `forced` changed."""
+    got = check_rerun(b, record, min(forced) if forced else None, asked_of_forcing(forced))
+    if not got.valid:
+        raise NotARerun(got.first_difference)
+
+
+def checked_replay(replayer, b, forced: dict):
+    """Replay B with `forced`, checked to be B with only that change; memoised per replayer
+    (the check records the replay, so a memoising replayer would not memoise it)."""
+    memo = getattr(replayer, "_checked_replays", None)
+    if memo is None:
+        memo = {}
+        try:
+            replayer._checked_replays = memo
+        except AttributeError:
+            pass
+    key = (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())))
+    if key in memo and memo[key][0] is b:
+        return memo[key][1]
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        got = replayer.run(b, forced=forced, observers=[record])
+    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
+        raise ForcingRefused(str(e)) from e
+    check_replay(b, record, forced)
+    memo[key] = (b, got)
+    del_keys = list(memo)[:-16]
+    for k in del_keys:
+        del memo[k]
+    return got
+
+
+def replay_matches(a, b, replayer, rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+    """Replay B with `forced`: (its first n tokens of `rid` are A's, and bit for bit with their
+    top-k logits, the first of them that differs or None). Raises ForcingRefused where the
+    replay cannot lay the forcing out."""
+    got = checked_replay(replayer, b, forced).outputs[rid]
+    ta = a.tokens(rid)
+    want = [int(t) for t in ta.tokens[:n]]
+    same = list(got.tokens[:n]) == want
+    la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
+    lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1]).view(np.uint32)
+    bitwise = same and la.shape == lb.shape and bool((la == lb).all())
+    first = next((i for i, (x, y) in enumerate(zip(got.tokens, want)) if int(x) != y), None)
+    if first is None and not bitwise and la.shape == lb.shape:
+        bad = np.flatnonzero((la != lb).any(axis=1))
+        first = int(bad[0]) if bad.size else None
+    return same, bitwise, first
+
+
+def draw_of(b, replayer, forced: dict, rid: str, position: int, purpose: str, until: int) -> dict:
+    """B replayed with `forced` (checked to be a re-run of B): its draw of (request, position,
+    purpose) up to step `until`, as recorded, or {}."""
+    class Draws(Observer):
+        wants_records = True
+
+        def __init__(self):
+            self.got = {}
+
+        def on_record(self, table, **c):
+            if table == "draws" and c["request"] == rid and c["position"] == position \
+                    and c["purpose"] == purpose and c["step"] <= until:
+                self.got = c
+
+    rec = Draws()
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        replayer.run(b, forced=forced, observers=[rec, record])
+    except ValueError as e:
+        raise ForcingRefused(str(e)) from e
+    check_replay(b, record, forced)
+    return rec.got
+
+
+def decides_like(story, got) -> bool:
+    """The replay's draw `got` (its record) decides as A's draw of the story did."""
+    if not got:
+        return False
+    if story.purpose == "accept":
+        return (got["value"] < min(1.0, got["p"] / max(got["q"], 1e-30))) == story.a.accepted
+    return int(got["token"]) == story.a.token
