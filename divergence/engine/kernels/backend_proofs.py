@@ -5,7 +5,8 @@ the device, the BLAS library, its core (OpenBLAS picks one per CPU, or OPENBLAS_
 and its thread count. A proof is keyed by all of them, so a proof made under one core is
 never reused under another; it is kept in the user cache dir (DIVERGENCE_CACHE_DIR, else
 ~/.cache/divergence) so that a run does not pay for the probe again.
-DIVERGENCE_PROOF_CACHE=off keeps proofs in memory only (each process probes again).
+The native kernels' class signatures (native_classes.py) are kept the same way, in a file
+of their own. DIVERGENCE_PROOF_CACHE=off keeps both in memory only (each process probes again).
 """
 from __future__ import annotations
 
@@ -35,11 +36,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "divergence")
 
 
-class BackendProofs:
-    """proved(key, probe): probe() -> bool, run once per key and backend fingerprint."""
+class BackendStore:
+    """Values measured on the backend in use, kept per backend fingerprint in the user cache
+    dir: `<prefix>-<fingerprint digest>.json`, {"fingerprint": ..., "<prefix>": {key: value}}.
+    get / put; with DIVERGENCE_PROOF_CACHE=off, in memory only."""
 
-    def __init__(self):
-        self._memo: dict[str, bool] = {}
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self._memo: dict[str, object] = {}
         self._fingerprint: dict | None = None  # the process's backend: read once
         self._path: Path | None = None
         self._loaded = False
@@ -50,7 +54,7 @@ class BackendProofs:
         if self._path is None:
             self._fingerprint = fingerprint()
             fp = json.dumps(self._fingerprint, sort_keys=True)
-            self._path = cache_dir() / f"proofs-{hashlib.sha256(fp.encode()).hexdigest()[:16]}.json"
+            self._path = cache_dir() / f"{self.prefix}-{hashlib.sha256(fp.encode()).hexdigest()[:16]}.json"
         return self._path
 
     def _load(self) -> None:
@@ -61,19 +65,19 @@ class BackendProofs:
         try:
             stored = json.loads(path.read_text())
         except (OSError, ValueError):
-            return  # none yet, or unreadable: probe again
-        if isinstance(stored, dict):
-            self._memo.update({str(k): bool(v) for k, v in stored.get("proofs", {}).items()})
+            return  # none yet, or unreadable: measure again
+        if isinstance(stored, dict) and isinstance(stored.get(self.prefix), dict):
+            self._memo.update({str(k): v for k, v in stored[self.prefix].items()})
 
-    def proved(self, key: str, probe: Callable[[], bool]) -> bool:
+    def get(self, key: str):
         if not self._loaded:
             self._load()
-        if key not in self._memo:
-            self._memo[key] = bool(probe())
-            self._save()
-        return self._memo[key]
+        return self._memo.get(key)
 
-    def _save(self) -> None:
+    def put(self, key: str, value) -> None:
+        if not self._loaded:
+            self._load()
+        self._memo[key] = value
         path = self._file()
         if path is None:
             return
@@ -81,9 +85,24 @@ class BackendProofs:
 
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"fingerprint": self._fingerprint, "proofs": self._memo}, sort_keys=True))
-        except OSError:  # a read-only home or a full disk: the proofs stay in memory
+            write_atomic(path, json.dumps({"fingerprint": self._fingerprint, self.prefix: self._memo},
+                                          sort_keys=True))
+        except OSError:  # a read-only home or a full disk: the values stay in memory
             pass
+
+
+class BackendProofs(BackendStore):
+    """proved(key, probe): probe() -> bool, run once per key and backend fingerprint."""
+
+    def __init__(self):
+        super().__init__("proofs")
+
+    def proved(self, key: str, probe: Callable[[], bool]) -> bool:
+        got = self.get(key)
+        if got is None:
+            got = bool(probe())
+            self.put(key, got)
+        return bool(got)
 
 
 PROOFS = BackendProofs()  # one per process: the backend is the process's

@@ -16,8 +16,14 @@ called the fixture's linear ops batch-invariant, real hidden states said otherwi
 What hides a switch is too few output *values*, so an op gets rows up to
 PROBE_VALUES values: 32 rows of every op up to 8,192 columns, fewer of a wide one. A
 vocabulary head (151,936 columns on Qwen2.5) gets 2 rows: 32 one-row calls of it had
-read its 545 MB of fp32 weights 32 times in every `divergence run` (~0.3 s of 11 s
-on this CPU, measured whole-process; the profiler had claimed more).
+read its 545 MB of fp32 weights 32 times in every `divergence run`.
+
+Signatures are kept on disk (backend_proofs.BackendStore: per backend fingerprint, in the
+user cache dir, off with DIVERGENCE_PROOF_CACHE=off), so a run does not probe again what an
+earlier process on this backend probed. A linear op's key names its weights (the model's
+file hash and a digest of sampled weight rows, which tells tensor-parallel shards and
+dtype casts apart), its shape, dtype and M; only the backend's own kernels are stored, never
+a stand-in's (a `run` given, or a test's swapped kernels).
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ import xxhash
 from ...core.classes import classify
 
 from ...core.names import BATCHED, PADDED, PER_SEQ
-from . import attention, linear as kernels
+from . import attention, linear as kernels, splits as cpu_split
+from .backend_proofs import BackendStore
 from .bits import raw_bits
 from .linear import LinearOp
 
@@ -38,6 +45,29 @@ PROBE_ROWS = 32  # rows whose outputs make the signature (at most)
 PROBE_VALUES = PROBE_ROWS * 8192  # output values enough to show a kernel switch
 PROBE_POOL_ROWS = 64  # distinct random input rows, tiled for calls of more rows
 PROBE_SEED = 7
+PROBE_METHOD = 1  # part of every stored key: a change of the probe above must not reuse old signatures
+DIGEST_ROWS = 16  # weight rows sampled into a linear op's key
+
+SIGNATURES = BackendStore("native-classes")  # one per process: the backend is the process's
+# the backend's own kernels: a signature is stored only when the probe runs these
+_OWN_KERNELS = (kernels.run_native, attention.run_per_seq, attention.run_batched)
+
+
+def _own_kernels() -> bool:
+    return (kernels.run_native, attention.run_per_seq, attention.run_batched) == _OWN_KERNELS
+
+
+def _weights_digest(op: LinearOp) -> str:
+    """xxh3 of DIGEST_ROWS evenly spaced rows of the op's weight arrays (weight, scales, biases)."""
+    mod = op.module
+    parts = [mod.weight] + [mod[name] for name in ("scales", "biases", "bias") if name in mod]
+    rows = mx.array(np.linspace(0, mod.weight.shape[0] - 1, DIGEST_ROWS).astype(np.int32))
+    taken = [mx.take(a, rows, axis=0) if a.ndim > 1 else a for a in parts]
+    mx.eval(*taken)
+    h = xxhash.xxh3_64()
+    for a in taken:
+        h.update(np.ascontiguousarray(raw_bits(a)).tobytes())
+    return h.hexdigest()
 
 
 def probe_rows(n: int) -> int:
@@ -50,10 +80,23 @@ class NativeClassProbe:
     """Memoised class signatures of linear ops (per op name and shape: the first module
     of a shape stands for every layer's). `run(x, op)` is the native op by default."""
 
-    def __init__(self, run: Callable[[mx.array, LinearOp], mx.array] | None = None):
+    def __init__(self, run: Callable[[mx.array, LinearOp], mx.array] | None = None, *,
+                 weights: str | None = None):
         self._run = run
+        self._weights = weights  # the model's weights_hash: without it nothing is stored on disk
         self._sig: dict[tuple, int] = {}
         self._pool: dict[tuple, mx.array] = {}
+        self._digests: dict[tuple, str] = {}
+
+    def _stored_key(self, op: LinearOp, m: int, dtype) -> str | None:
+        if self._run is not None or not self._weights or not _own_kernels():
+            return None
+        memo = (op.name, op.n, op.k, id(op.module))
+        if memo not in self._digests:
+            self._digests[memo] = _weights_digest(op)
+        quant = f"q{op.module.bits}g{op.module.group_size}" if op.quantized else str(op.weight_dtype)
+        return (f"linear:{PROBE_METHOD}:{self._weights}:{self._digests[memo]}:{op.name}:{op.n}x{op.k}:{quant}:"
+                f"{dtype}:{m}:split={cpu_split.MAY_SPLIT}")
 
     def _input(self, k: int, dtype) -> mx.array:
         key = (k, str(dtype))
@@ -78,8 +121,13 @@ class NativeClassProbe:
         key = (op.name, op.n, op.k, str(dtype), m)
         sig = self._sig.get(key)
         if sig is None:
-            out = np.ascontiguousarray(self.outputs(op, m, dtype))
-            sig = xxhash.xxh3_64_intdigest(out.tobytes()) or 1  # never 0: 0 marks "not native"
+            stored = self._stored_key(op, m, dtype)
+            sig = SIGNATURES.get(stored) if stored else None
+            if not isinstance(sig, int):
+                out = np.ascontiguousarray(self.outputs(op, m, dtype))
+                sig = xxhash.xxh3_64_intdigest(out.tobytes()) or 1  # never 0: 0 marks "not native"
+                if stored:
+                    SIGNATURES.put(stored, sig)
             self._sig[key] = sig
         return sig
 
@@ -166,8 +214,13 @@ class AttentionClassProbe:
         key = (kernel, batch if kernel == BATCHED else 0, heads, kv_heads, head_dim, queries, str(dtype), layout)
         sig = self._sig.get(key)
         if sig is None:
-            out = np.ascontiguousarray(self.outputs(kernel, batch, heads, kv_heads, head_dim, queries, dtype,
-                                                    layout=layout))
-            sig = xxhash.xxh3_64_intdigest(out.tobytes()) or 1
+            stored = f"attention:{PROBE_METHOD}:" + ":".join(map(str, key)) if _own_kernels() else None
+            sig = SIGNATURES.get(stored) if stored else None
+            if not isinstance(sig, int):
+                out = np.ascontiguousarray(self.outputs(kernel, batch, heads, kv_heads, head_dim, queries, dtype,
+                                                        layout=layout))
+                sig = xxhash.xxh3_64_intdigest(out.tobytes()) or 1
+                if stored:
+                    SIGNATURES.put(stored, sig)
             self._sig[key] = sig
         return sig

@@ -98,7 +98,7 @@ class PackedForward:
         self.parts = [LayerParts.of(layer) for layer in self.blocks]
         self.embed, self.final_norm = self.inner.embed_tokens, self.inner.norm
         # memos of the native kernels' class signatures, shared by every run of this forward
-        self.native_classes = NativeClassProbe()
+        self.native_classes = NativeClassProbe(weights=loaded.weights_hash)
         self.attention_classes = AttentionClassProbe()
 
     @property
