@@ -19,6 +19,7 @@ from .model.forward import PackedForward
 from .model.loading import LoadedModel, load_cached
 from .results import RequestOutput, RunResult
 from .run import Run
+from .speculative import draft_width
 from .sched.scheduler import PREFILL_LAYOUTS, WHOLE
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "Run", "environment"]
@@ -84,12 +85,10 @@ class Engine:
         self.overlap = overlap
         self._target_fwd = PackedForward(target)
         self._draft_fwd = PackedForward(self.draft) if self.draft else None
-        if self._draft_fwd is not None and self._draft_fwd.head.n != self._target_fwd.head.n:
-            from ..errors import ModelLoadError  # the draft would propose ids the target lacks (or miss ids it has)
-
-            raise ModelLoadError(f"the draft {self.draft.path} has a vocabulary of {self._draft_fwd.head.n} ids, the "
-                                 f"target {target.path} {self._target_fwd.head.n}: a draft must share the target's "
-                                 f"vocabulary")
+        # the columns the draft proposes from (its head may be padded otherwise than the target's)
+        self.draft_width = None
+        if self._draft_fwd is not None:
+            self.draft_width = draft_width(target, self.draft, self._target_fwd.head.n, self._draft_fwd.head.n)
         # tensor parallel: both models sharded for this rank (their dispatchers then
         # record each all-reduce like a kernel choice)
         self.tp = tp if tp is not None and tp.size > 1 else None

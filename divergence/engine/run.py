@@ -222,7 +222,10 @@ class Run:
             out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing, tokens=tokens)
         finally:
             self._kbuf = None
-        ds = smp.sample_on_device(out.logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk,
+        logits = out.logits
+        if state is self.draft and self.e.draft_width < logits.shape[-1]:  # a padded draft head: ids the target lacks
+            logits = logits[:, : self.e.draft_width]
+        ds = smp.sample_on_device(logits, top_k=self.e.top_k, full_rows=full_rows, want_topk=want_topk,
                                    values=self.e.topk_values)
         kv = StepKv.of(out.k_written, out.v_written) if self.want_kv else None
         routing = [a for r in out.routing or () for a in r.arrays()]

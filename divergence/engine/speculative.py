@@ -17,6 +17,7 @@ import numpy as np
 
 from . import sampling as smp
 from ..core.request import Sampling
+from ..errors import ModelLoadError
 
 
 @dataclass
@@ -46,6 +47,8 @@ def accept_sampled(
         pos = first_position + j
         p = smp.probs(target_logits[j], sampling)
         q = proposal.q[j]
+        if q.shape[0] < p.shape[0]:  # a draft head narrower than the target's: q is 0 past it
+            q = np.pad(q, (0, p.shape[0] - q.shape[0]))
         ok, rec = smp.accept_traced(u(pos, smp.PURPOSE_ACCEPT), p[d], q[d], d)
         if draws is not None:
             draws.append((pos, rec))
@@ -68,3 +71,29 @@ def accept_sampled(
         draws.append((pos, rec))
     out.append(tok)
     return k, out
+
+
+def draft_width(target, draft, target_ids: int, draft_ids: int) -> int:
+    """The logit columns the draft proposes from: its head and the target's, cut to the
+    narrower one. A draft must share the target's tokenizer (every token the same id) and
+    its head must cover every token; heads may differ in padding past the tokenizer's
+    tokens (Qwen2.5 0.5B: 151,936 rows, 7B: 152,064), ids no text encodes to.
+    target, draft: LoadedModel; ModelLoadError, one line, for a draft that cannot serve."""
+    if target.tokenizer_hash != draft.tokenizer_hash:
+        vt, vd = _vocab(target), _vocab(draft)
+        if vt != vd:
+            moved = sum(1 for t, i in vt.items() if vd.get(t) != i) + sum(1 for t in vd if t not in vt)
+            raise ModelLoadError(f"the draft {draft.path} has another tokenizer than the target {target.path} "
+                                 f"({moved} of {max(len(vt), len(vd))} tokens differ): a draft must share the "
+                                 f"target's tokenizer")
+    tokens = len(_vocab(target))
+    for what, m, ids in (("draft", draft, draft_ids), ("target", target, target_ids)):
+        if ids < tokens:
+            raise ModelLoadError(f"the {what} {m.path} has a vocabulary of {ids} ids and its tokenizer {tokens} "
+                                 f"tokens: a draft must share the target's vocabulary")
+    return min(target_ids, draft_ids)
+
+
+def _vocab(loaded) -> dict:
+    tok = loaded.tokenizer
+    return dict(tok.get_vocab() if hasattr(tok, "get_vocab") else tok.vocab)
