@@ -182,7 +182,7 @@ def test_bf16_moe_with_split_experts_runs_every_schedule(configure, random_model
 
 _REFERENCE_BLAS = """
 import mlx.core as mx, mlx.nn as nn, numpy as np
-from divergence.engine import cpu_split
+from divergence.engine.kernels import splits as cpu_split
 s = cpu_split.process_split()
 assert s is not None and mx.float32 in s.dtypes, s
 for m in (1, 5, 16):
