@@ -123,9 +123,14 @@ class Engine:
         return self.target.decode(tokens)
 
     def vocab_pieces(self) -> list[str]:
-        """Each token id decoded alone (cached): traces store it so readers need no tokenizer."""
+        """Each token id decoded alone: traces store it so readers need no tokenizer. Built on
+        first use, once per loaded model: every engine over that model (a sweep's, a bench's,
+        a replay's) shares it."""
         if self._vocab is None:
-            self._vocab = _decode_each(self.target, self.vocab)
+            memo = self.target.info.setdefault("_vocab_pieces", {})  # the info dict rides with the model
+            if self.vocab not in memo:
+                memo[self.vocab] = _decode_each(self.target, self.vocab)
+            self._vocab = memo[self.vocab]
         return self._vocab
 
     def settings(self) -> dict:
