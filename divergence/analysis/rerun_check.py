@@ -7,58 +7,18 @@ exactly as asked: its requests split out (each in its own forward pass, in one s
 consecutive steps), or the kernels asked for recorded at that step. (4), the re-run then
 matching A up to the divergence, is the confirmer's own check. `check_rerun` says which
 holds, the first difference where one does not, and what the re-run did at the forced
-step, in words read from its records (not from the command line). Engine-free."""
+step, in words read from its records (not from the command line). Engine-free.
+
+What may be asked: analysis.rerun_asks; the runs compared: analysis.run_view."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
-
-from ..core.events import Observer
-from ..core.labels import composition_text, kernel_label, label_policy
+from ..core.labels import composition_text, label_policy
 from ..core.names import ATTENTION, EXPERTS, GATE
-
-
-@dataclass(frozen=True)
-class Split:
-    """Asked: the step's requests split out. requests None: every request of the step alone."""
-
-    requests: frozenset | None = None
-
-
-@dataclass(frozen=True)
-class Kernels:
-    """Asked: these ops of the step on these kernel labels (op -> label, e.g. 'gemv', 'gemm/4').
-    or_split: a re-run that split the step instead counts too (a user's engine, told A's
-    kernel, may run the request alone to get it); others: the other ops may also run on an
-    asked label (an engine that runs the whole step on it)."""
-
-    ops: dict = field(default_factory=dict)
-    or_split: bool = False
-    others: bool = False
-
-
-@dataclass(frozen=True)
-class Relayout:
-    """Asked (this engine's RelayoutStep): each request alone, and `request`'s slice covering
-    its positions from `start` in one pass."""
-
-    request: str
-    start: int
-
-
-@dataclass(frozen=True)
-class AnyChange:
-    """Asked: some change of the step, unnamed (a command that uses none of {force} {requests}):
-    a split or other kernels both count."""
-
-
-@dataclass(frozen=True)
-class Unchecked:
-    """A forcing this check does not read (tensor-parallel unsharding, a threshold policy)."""
-
-    words: str = ""
+from .rerun_asks import AnyChange, Kernels, Relayout, Split, Unchecked
+from .run_view import RunView, view
 
 
 @dataclass
@@ -71,99 +31,6 @@ class RerunCheck:
         return self.valid
 
 
-class RunRecord(Observer):
-    """An in-memory record of a replay (its schedule, step plans, kernels and K/V writes),
-    for check_rerun: pass it among a Replayer.run's observers."""
-
-    wants_kernels = True
-
-    def __init__(self, kv_hashes: bool = True):
-        self.wants_kv_hashes = kv_hashes
-        self.schedule = None
-        self.plans: dict = {}
-        self.kernel_rows: list = []  # (step, model, layer, op, expert, rows, label)
-        self.kv: list = []
-
-    def on_run_start(self, info) -> None:
-        self.schedule = info.schedule
-
-    def on_step(self, event) -> None:
-        self.plans[event.plan.index] = event.plan
-
-    def on_kernel(self, c) -> None:
-        self.kernel_rows.append((c.step, c.model, c.layer, c.op, c.expert, c.rows, kernel_label(c.kernel, c.splits)))
-
-    def on_kv_write(self, w) -> None:
-        self.kv.append(w)
-
-
-class _View:
-    """The parts of a run check_rerun compares: of a Trace or of a RunRecord."""
-
-    def __init__(self, run):
-        self.run = run
-        self.is_trace = not isinstance(run, RunRecord)
-        if self.is_trace:
-            self.schedule = run.meta.get("schedule")
-            self.plans = {p.index: p for p in run.iter_plans()}
-            self.has_kv = bool(run.has_kv_hashes)
-            ks = run.kernels()
-            labels = [kernel_label(str(k), int(s)) for k, s in zip(ks["kernel"], ks["splits"])]
-            self._k = list(zip((int(x) for x in ks["step"]), (str(x) for x in ks["model"]),
-                               (int(x) for x in ks["layer"]), (str(x) for x in ks["op"]),
-                               (int(x) for x in ks["expert"]), (int(x) for x in ks["rows"]), labels))
-        else:
-            self.schedule, self.plans, self.has_kv, self._k = run.schedule, run.plans, run.wants_kv_hashes, \
-                run.kernel_rows
-        self._by_step: dict = {}
-        for row in self._k:
-            self._by_step.setdefault(row[0], []).append(row[1:])
-
-    def kernels(self, step: int) -> list:
-        """(model, layer, op, expert, rows, label) of the step, in recorded order."""
-        return self._by_step.get(step, [])
-
-    def kv_cells(self, before: int) -> list:
-        """Sorted (step, model, request, layer, position, k, v) of every K/V write before `before`."""
-        if not self.is_trace:
-            out = []
-            for w in self.run.kv:
-                if w.step < before:
-                    out += [(int(w.step), str(w.model), str(w.request_id), int(w.layer), int(w.start) + i, int(k),
-                             int(v)) for i, (k, v) in enumerate(zip(w.k_hashes.tolist(), w.v_hashes.tolist()))]
-            return sorted(out)
-        t = self.run
-        w, h = t.kv_writes(), t.kv_hashes()
-        models, ids = t.codes("models"), [r.id for r in t.requests]
-        sel = np.flatnonzero(np.asarray(w["step"]) < before)
-        kh = np.asarray(h["k_hash"]).astype(np.uint64)
-        vh = np.asarray(h["v_hash"]).astype(np.uint64)
-        out = []
-        for i in sel.tolist():
-            off, n, start = int(w["hash_offset"][i]), int(w["count"][i]), int(w["start"][i])
-            head = (int(w["step"][i]), models[int(w["model"][i])], ids[int(w["request"][i])], int(w["layer"][i]))
-            out += [(*head, start + j, int(kh[off + j]), int(vh[off + j])) for j in range(n)]
-        return sorted(out)
-
-
-_VIEWS: list = []  # (trace, its view): B is checked against every re-run of one bisect
-
-
-def view(run) -> _View:
-    """What check_rerun reads of a Trace or RunRecord (a trace's view is kept for its next check)."""
-    if isinstance(run, _View):
-        return run
-    if isinstance(run, RunRecord):
-        return _View(run)
-    for t, v in _VIEWS:
-        if t is run:
-            return v
-    v = _View(run)
-    _VIEWS.append((run, v))
-    del _VIEWS[:-4]
-    return v
-
-
 def _keys(plan) -> tuple:
     return tuple((s.request_id, s.phase, s.start, s.count) for s in plan.slices)
 
@@ -172,7 +39,7 @@ def _comp(plan) -> str:
     return composition_text(plan.slices) if plan is not None else "nothing"
 
 
-def _passes(view: _View, step: int) -> list[int]:
+def _passes(view: RunView, step: int) -> list[int]:
     """Rows of each forward pass of a step: the records of its first linear op at its first
     layer (a step this engine ran request by request records each pass)."""
     ks = [k for k in view.kernels(step) if k[2] not in (ATTENTION, EXPERTS, GATE)]
@@ -183,7 +50,7 @@ def _passes(view: _View, step: int) -> list[int]:
     return [k[4] for k in ks if (k[0], k[1], k[2]) == (model, layer, op)]
 
 
-def _labels(view: _View, step: int) -> dict:
+def _labels(view: RunView, step: int) -> dict:
     """op -> the labels the step recorded for it (every layer and expert), in order of ops."""
     out: dict = {}
     for _, _, op, _, _, label in view.kernels(step):
@@ -191,7 +58,7 @@ def _labels(view: _View, step: int) -> dict:
     return out
 
 
-def _first_kernel_difference(b: _View, r: _View, step: int) -> str | None:
+def _first_kernel_difference(b: RunView, r: RunView, step: int) -> str | None:
     kb, kr = b.kernels(step), r.kernels(step)
     # only what B recorded can be compared: another engine's trace (BatchGenerator's) records
     # no kernels, a trace of an older schema no attention; this engine's re-run records them all
@@ -214,7 +81,7 @@ def _first_kernel_difference(b: _View, r: _View, step: int) -> str | None:
     return f"step {step} ran kernel {', '.join(lr)} for {where}, B's ran {', '.join(lb)}"
 
 
-def _owned(v: _View, cells: list) -> list:
+def _owned(v: RunView, cells: list) -> list:
     """The cells written by a request the step computed: a write recorded for a request that
     reads another's blocks (the prefix cache) mirrors the owner's, and how far that mirror
     reaches is not the step's computation (a relayout that later recomputes part of those
@@ -223,7 +90,7 @@ def _owned(v: _View, cells: list) -> list:
     return [c for c in cells if c[2] in computed.get(c[0], ())]
 
 
-def _first_kv_difference(b: _View, r: _View, before: int) -> str | None:
+def _first_kv_difference(b: RunView, r: RunView, before: int) -> str | None:
     cb, cr = b.kv_cells(before), r.kv_cells(before)
     if cb == cr:
         return None
@@ -249,7 +116,7 @@ def check_rerun(b, rerun, forced_step: int, forced) -> RerunCheck:
     step; forced: what was asked there (Split, Kernels, Relayout, AnyChange, Unchecked), or a
     dict {step: that} of every forced step (this engine's replays keep B's step indices: each
     is checked). Returns RerunCheck(valid, first_difference, did)."""
-    rv, bv = (rerun if isinstance(rerun, _View) else _View(rerun)), view(b)
+    rv, bv = (rerun if isinstance(rerun, RunView) else RunView(rerun)), view(b)
     steps = forced if isinstance(forced, dict) else {forced_step: forced}
     first = min(steps) if steps else (forced_step if forced_step is not None else max(bv.plans, default=-1) + 1)
 
@@ -285,7 +152,7 @@ def check_rerun(b, rerun, forced_step: int, forced) -> RerunCheck:
     return RerunCheck(True, None, "; ".join(w for w in did if w))
 
 
-def _groups(bv: _View, rv: _View, step: int, compare_b: bool):
+def _groups(bv: RunView, rv: RunView, step: int, compare_b: bool):
     """How the re-run computed B's step: (groups of slice keys, one forward pass each;
     how many steps of the re-run that took) or (None, why not)."""
     pb, pr = bv.plans.get(step), rv.plans.get(step)
@@ -328,7 +195,7 @@ def _split_words(step: int, groups, asked_requests) -> str:
     return f"{', '.join(alone)} split out of step {step} ({n} forward passes)"
 
 
-def _forced_as_asked(bv: _View, rv: _View, step: int, asked, *, compare_b: bool) -> tuple[bool, str]:
+def _forced_as_asked(bv: RunView, rv: RunView, step: int, asked, *, compare_b: bool) -> tuple[bool, str]:
     if isinstance(asked, Unchecked):
         return True, asked.words
     groups, n = _groups(bv, rv, step, compare_b)
@@ -403,24 +270,3 @@ def _kernel_words(step: int, changed, lb: dict, lr: dict) -> str:
     return f"step {step} run on " + "; ".join(parts)
 
 
-def asked_of_forcing(forced: dict) -> dict:
-    """This engine's forcing ({step: SOLO | RelayoutStep | KernelPolicy | {op: KernelPolicy}})
-    as what check_rerun checks at each step."""
-    from ..core.policy import KernelPolicy, RelayoutStep, SoloStep
-
-    out = {}
-    for step, f in forced.items():
-        if isinstance(f, RelayoutStep):
-            out[step] = Relayout(f.request_id, f.start)
-        elif isinstance(f, SoloStep):
-            out[step] = Split(None)
-        elif isinstance(f, dict) and all(isinstance(p, KernelPolicy) and p.threshold is None for p in f.values()):
-            out[step] = Kernels({op: label_policy_to_label(p) for op, p in f.items()})
-        else:
-            out[step] = Unchecked("")
-    return out
-
-
-def label_policy_to_label(policy) -> str:
-    """A forcible policy ('gemm:4') as the label its kernel records ('gemm/4')."""
-    return str(policy).replace(":", "/", 1) if str(policy).startswith("gemm:") else str(policy)

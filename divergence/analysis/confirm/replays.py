@@ -7,7 +7,9 @@ import numpy as np
 from ...core.events import Observer
 from ...core.policy import RelayoutStep, SoloStep
 from ..cause import BY_REPLAY, BY_REPLAY_SOLO
-from ..rerun_check import RunRecord, asked_of_forcing, check_rerun
+from ..rerun_asks import asked_of_forcing
+from ..rerun_check import check_rerun
+from ..run_view import RunRecord
 
 
 def replay_kind(forced: dict) -> str:
