@@ -14,7 +14,6 @@ of a file that is still being written.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -28,18 +27,10 @@ from . import live
 from . import schema as S
 from . import validate
 from .h5lock import H5_LOCK
+from .header import TraceRequest, read_meta, read_requests, read_vocab
 from .layout import read_commit, read_rows
 from .layout_v1 import read_v1_table
 from .opening import FILES as _FILES, check as _check
-
-
-@dataclass(frozen=True)
-class TraceRequest:
-    id: str
-    prompt_tokens: tuple
-    arrival: int
-    max_tokens: int
-    sampling: Sampling
 
 
 class TokenRecords(NamedTuple):
@@ -154,54 +145,14 @@ class Trace:
 
     @property
     def meta(self) -> dict:
-        return self._once("meta", self._meta)
-
-    def _meta(self) -> dict:
-        m = self.f[S.META].attrs
-        out = {}
-        for k in ("settings", "model", "draft", "environment"):
-            try:
-                out[k] = json.loads(m[k])
-            except KeyError:
-                raise validate.damaged(self.path, f"/meta has no attribute {k!r}") from None
-            except (TypeError, ValueError) as e:
-                raise validate.damaged(self.path, f"/meta attribute {k!r} is not JSON ({e})") from None
-            except OSError as e:  # HDF5: a damaged attribute heap
-                raise validate.damaged(self.path, f"/meta attribute {k!r} cannot be read ({e})") from None
-        if not isinstance(out["settings"], dict):
-            raise validate.damaged(self.path, "/meta attribute 'settings' is not a JSON object")
-        for k in ("schedule", "policy", "created", "top_k"):
-            v = self.f.attrs.get(k)
-            out[k] = v.item() if hasattr(v, "item") else v
-        out["completed"] = bool(self.f[S.STATUS][0])
-        return out
+        return self._once("meta", lambda: read_meta(self.f, self.path))
 
     @property
     def requests(self) -> list[TraceRequest]:
         return self._once("requests", self._requests)
 
     def _requests(self) -> list[TraceRequest]:
-        g = self.f[S.REQUESTS]
-        try:
-            ids = [x.decode() if isinstance(x, bytes) else str(x) for x in g["id"][()]]
-            off = g["prompt_offsets"][()]
-            flat = g["prompt_tokens"][()]
-            arr, mt = g["arrival"][()], g["max_tokens"][()]
-            temp, top_p, seed = g["temperature"][()], g["top_p"][()], g["seed"][()]
-        except Exception as e:  # noqa: BLE001  (a dataset missing, or not an array)
-            raise validate.damaged(self.path, f"/requests cannot be read ({e})") from None
-        n = len(ids)
-        for name, a in (("prompt_offsets", off), ("prompt_tokens", flat), ("arrival", arr), ("max_tokens", mt),
-                        ("temperature", temp), ("top_p", top_p), ("seed", seed)):
-            want = n + 1 if name == "prompt_offsets" else None
-            if getattr(a, "ndim", 0) != 1 or a.dtype.kind not in ("f" if name in ("temperature", "top_p") else "iu"):
-                raise validate.damaged(self.path, f"/requests/{name} is not a 1-D numeric array")
-            if want is not None and len(a) != want or want is None and name != "prompt_tokens" and len(a) != n:
-                raise validate.damaged(self.path, f"/requests/{name} holds {len(a)} entries for {n} requests")
-        if n and (off[0] < 0 or (np.diff(off) < 0).any() or off[-1] > len(flat)):
-            raise validate.damaged(self.path, "/requests/prompt_offsets do not index /requests/prompt_tokens")
-        out = [TraceRequest(rid, tuple(int(t) for t in flat[off[i]: off[i + 1]]), int(arr[i]), int(mt[i]),
-                            Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
+        out = read_requests(self.f, self.path)
         out += self._live_requests()
         self._check_request_count(len(out))
         return out
@@ -241,17 +192,7 @@ class Trace:
 
     @property
     def vocab(self) -> list[str] | None:
-        return self._once("vocab", self._vocab)
-
-    def _vocab(self) -> list[str] | None:
-        if S.VOCAB not in self.f:
-            return None
-        try:
-            g = self.f[S.VOCAB]
-            raw, off = g["bytes"][()].tobytes(), g["offsets"][()]
-        except Exception as e:  # noqa: BLE001
-            raise validate.damaged(self.path, f"/vocab cannot be read ({e})") from None
-        return [raw[off[i]: off[i + 1]].decode("utf-8", "replace") for i in range(len(off) - 1)]
+        return self._once("vocab", lambda: read_vocab(self.f, self.path))
 
     # -- tables --------------------------------------------------------------------------
     def _widths(self) -> dict:
