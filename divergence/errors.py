@@ -44,6 +44,11 @@ class EnvironmentMismatchError(ReplayError):
     this process does not run under, or that this machine cannot provide at all."""
 
 
+class RanksNeededError(ReplayError):
+    """A tensor-parallel trace replays only inside a group of its degree, and this process
+    is in none (the CLI starts the ranks itself; an in-process caller replays in a child)."""
+
+
 class RecordError(DivergenceInputError):
     """A record another engine gave (divergence.record, `divergence import`) breaks the
     recording contract (docs/recording.md): missing field, wrong type, unknown request..."""

@@ -2,14 +2,22 @@
 cause is (the sharded ops and their all-reduces), and its proof by replay: the TP
 side re-run with its sharded-to-all ops unsharded (one device's sum, no all-reduce),
 then, if that is not enough, every sharded op unsharded. Numpy only; replays go
-through analysis.replayer (the one door to the engine)."""
+through analysis.replayer (the one door to the engine), or, in a process that is no
+rank of the trace's degree (the pytest plugin, the API), through `divergence replay`
+in a child process, which starts the ranks."""
 from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
 from ..core.names import SHARDED_TO_ALL, TP_SHARDING
 from ..core.policy import UNSHARDED, UnshardedStep
-from ..errors import PolicyError
+from ..errors import PolicyError, RanksNeededError, ReplayError
+from ..trace.reader import Trace
 
 SHARDED_TO_ALL_OPS = tuple(op for op, mode in TP_SHARDING.items() if mode == SHARDED_TO_ALL)
 
@@ -93,7 +101,11 @@ def make_tp_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
 
     def outputs(i: int):
         if i not in cache:
-            cache[i] = replayer.run(tp_side, forced=forcings[i][1]).outputs
+            try:
+                cache[i] = replayer.run(tp_side, forced=forcings[i][1]).outputs
+            except RanksNeededError:
+                cache[i] = replay_in_ranks(tp_side, forcings[i][1], model_dir=replayer.model_dir,
+                                           draft_dir=replayer.draft_dir)
         return cache[i]
 
     def matches(out, rid: str, n: int) -> tuple[bool, bool]:
@@ -122,3 +134,24 @@ def make_tp_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
                        f"from {ref_label}: something besides the sharding differs")
 
     return confirm
+
+
+def replay_in_ranks(trace, forced: dict, *, model_dir=None, draft_dir=None) -> dict:
+    """request id -> its replayed tokens (TokenRecords: tokens, topk_logits), by `divergence
+    replay` in a child process, which starts the trace's ranks (this process is none)."""
+    from .force_spec import describe_forced  # (lazy: force_spec imports this module)
+
+    force = [f"{step}:{spec}" for step, text in sorted(describe_forced(forced).items())
+             for spec in (text.split(", ") if "=" in text else [text])]
+    with tempfile.TemporaryDirectory(prefix="divergence-tp-replay-") as work:
+        out = Path(work) / "replay.h5"
+        cmd = [sys.executable, "-m", "divergence", "replay", str(trace.path), "--out", str(out), "--json"]
+        cmd += [a for d, flag in ((model_dir, "--model"), (draft_dir, "--draft")) if d for a in (flag, str(d))]
+        cmd += [a for f in force for a in ("--force", f)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        # a forced replay is meant to differ from its trace: 1 (not faithful) is fine
+        if done.returncode not in (0, 1) or not out.exists():
+            why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+            raise ReplayError(f"the replay of {trace.path} in {trace.tp_degree} ranks failed: {why}")
+        with Trace.open(out) as t:
+            return {r.id: t.tokens(r.id) for r in t.requests}

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..core.events import AllReduce, Observer
 from ..core.names import ALL_TO_SHARDED
-from ..errors import ReplayError, TensorParallelError
+from ..errors import RanksNeededError, TensorParallelError
 from . import env as E
 from .sharding import ShardedOp, shard_forward
 
@@ -133,6 +133,6 @@ def group_for(trace):
     t = current()
     if t is None or t.size != n:
         where = "this process is in no group" if t is None else f"this process's group has {t.size} ranks"
-        raise ReplayError(f"{trace.path} was recorded at TP={n} and {where}: replay it through the divergence CLI "
+        raise RanksNeededError(f"{trace.path} was recorded at TP={n} and {where}: replay it through the divergence CLI "
                           f"(replay / bisect --confirm start {n} ranks) or under mlx.launch -n {n}")
     return t

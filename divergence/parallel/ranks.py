@@ -105,7 +105,7 @@ def _as_rank(args, n: int) -> int:
     except RuntimeError as e:  # e.g. a port taken since the launcher chose it: it retries
         print(f"divergence-tp: cannot join the group: {e}", file=sys.stderr)
         return CRASHED
-    t.keep_full = args.command in ("replay", "bisect")  # their replays may force STEP:unsharded
+    t.keep_full = args.command in ("replay", "bisect", "report")  # their replays may force STEP:unsharded
     if not t.writes:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone reports
         if getattr(args, "html", None):  # and writes pages: the others' go to their own temp dir

@@ -3,8 +3,9 @@ pytest plugin's comparison and the browser's data all get a pair's analysis from
 analysis.pipeline, so they must name the same cause (kind, steps, layer), the same
 confirmation and the same first op, on pairs that take different paths through it: the
 own serial vs concurrent (KV hashes, a cache contamination), without KV hashes (the replay
-bisection), warm, the prefix cache, sampled speculative decoding, a mixture of experts, and
-another engine's imported pair (confirmed by its command). The browser runs no replays: it
+bisection), warm, the prefix cache, sampled speculative decoding, a mixture of experts,
+TP=1 vs TP=2 (the plugin, in no group, replays the TP side in child ranks), and another
+engine's imported pair (confirmed by its command). The browser runs no replays: it
 must give the same leads.""" 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ PAIRS = {
     "sampled-speculative": (["--temperature", "0.8", "--top-p", "0.95", "--seed", "3"], "serial,concurrent"),
     "moe": (["--policy", "threshold:1", "--spec-k", "0"], "serial,concurrent"),
     "foreign": (None, "serial,concurrent"),  # examples/toy_engine.py's JSON Lines, imported
+    "tp1-vs-tp2": (["--tp"], "serial,serial"),  # one schedule at TP=1 and at TP=2 (the target alone, fp32)
 }
 
 
@@ -41,10 +43,18 @@ def pair(request, tmp_path_factory):
         from tests.record.conftest import toy_pair
 
         return toy_pair(d, (first, second))
+    prompts = d / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    if opts == ["--tp"]:
+        from divergence.cli.common import default_model_dirs
+
+        for tp in (1, 2):
+            assert main(["run", "--model", str(default_model_dirs()[0]), "--dtype", "float32", "--prompts",
+                         str(prompts), "--max-tokens", "8", "--policy", "threshold:4", "--ignore-eos", "--tp",
+                         str(tp), "--schedules", first, "--out", str(d / f"tp{tp}"), "--json"]) == 0
+        return d / "tp1" / f"{first}.h5", d / "tp2" / f"{first}.h5"
     args = ["run", "--schedules", schedules, "--out", str(d), "--json", *(o for o in opts if o != "--builtin")]
     if "--builtin" not in opts:
-        prompts = d / "p.jsonl"
-        prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
         args += ["--prompts", str(prompts)]
     if request.param == "moe":
         from divergence.testing.models import make_random_model
@@ -64,7 +74,8 @@ def _cause(c: dict | None):
             (op["layer"], op["op"]) if op else None)
 
 
-def test_every_front_end_names_the_same_cause_confirmation_and_first_op(pair, tmp_path, capsys):
+def test_every_front_end_names_the_same_cause_confirmation_and_first_op(pair, tmp_path, capfd):
+    # (capfd: a TP pair's bisect prints from its rank 0, a child process)
     from divergence.testing.assertions import _compare
     from divergence.tui.data import BrowseData
 
@@ -75,9 +86,9 @@ def test_every_front_end_names_the_same_cause_confirmation_and_first_op(pair, tm
         other = foreign(ta, tb)
     # another engine's pair is confirmed through that engine (--confirm-cmd), not by replay
     confirm = ["--confirm-cmd", _toy_rerun()] if other else ["--confirm"]
-    capsys.readouterr()
+    capfd.readouterr()
     assert main(["bisect", str(a), str(b), "--bitwise", *confirm, "--json"]) == 1
-    cli = {r["id"]: r for r in json.loads(capsys.readouterr().out)["requests"]}
+    cli = {r["id"]: r for r in json.loads(capfd.readouterr().out)["requests"]}
     causes = {rid: _cause(r["root_cause"]) for rid, r in cli.items()}
     assert any(causes.values()), cli
     assert all(r["confirmed"] for r in cli.values() if r["root_cause"]), cli
