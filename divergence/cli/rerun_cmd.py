@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import sys
 
+from ..core.names import BASE_SCHEDULES, SERIAL
+
 HELP = "re-run the requests of a live trace (divergence serve) under another schedule: the reference trace"
 
 
 def add_arguments(p) -> None:
     p.add_argument("live", metavar="LIVE.h5", help="a trace that divergence serve wrote")
-    p.add_argument("--schedule", default="serial", choices=("serial", "concurrent"),
+    p.add_argument("--schedule", default=SERIAL, choices=BASE_SCHEDULES,
                    help="the schedule of the re-run")
     p.add_argument("--requests", metavar="ID,...", help="re-run only these requests (the others are recorded as "
                    "not run: diff then reports them missing)")
