@@ -28,7 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DivergenceInputError
+from ..record.jsonl import import_records
+from ..trace.reader import Trace
+from .cause import BY_COMMAND
 from .diff import check_comparable
+from .rerun_asks import AnyChange, Kernels, Split
+from .rerun_check import check_rerun
 
 PLACEHOLDERS = ("trace", "step", "requests", "request", "force", "out")
 SOLO = "solo"
@@ -59,8 +64,6 @@ def force_for(cause) -> str:
 def asked_of(used: set, cause, force: str):
     """What the command was asked to change at the cause step (from the placeholders it
     uses), as analysis.rerun_check checks it."""
-    from .rerun_check import AnyChange, Kernels, Split
-
     if "force" in used:
         if force == SOLO:
             return Split(None)
@@ -105,8 +108,6 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
             why = f" ({last.strip()[:200]})" if last.strip() else ""
             raise DivergenceInputError(f"--confirm-cmd exited {p.returncode}{why}: {cmd}")
         if out.is_dir():  # the contract's JSON Lines: import them
-            from ..record.jsonl import import_records
-
             trace = out.with_name(out.stem + ".imported.h5")
             import_records(out, trace)
             out = trace
@@ -116,16 +117,11 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
         return out, values["force"]
 
     def confirm(cause, rd):
-        from .cause import BY_COMMAND
-
         got = rerun_confirm(cause, rd)
         cause.confirmed_by = BY_COMMAND if got[0] is not None else None
         return got
 
     def rerun_confirm(cause, rd):
-        from ..trace.reader import Trace
-        from .rerun_check import check_rerun
-
         if cause.kind == "sampler":
             return None, "a sampler cause has no kernel to change"
         path, force = run(cause, rd.id)

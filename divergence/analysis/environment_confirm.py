@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ReplayError
+from ..trace.reader import Trace
+from .cause import BY_ENVIRONMENT
 from .environment import child_environment, recorded, reproduction
 
 
@@ -65,8 +67,6 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
     """confirm(cause, request_diff) -> (bool | None, detail) for an `environment` cause: B's run
     replayed (unforced: its own plans, tokens and draws) under A's recorded environment must give
     A's tokens and top-k logits for the request, bit for bit, up to the divergence."""
-    from ..trace.reader import Trace
-
     state: dict = {}
     work = tempfile.TemporaryDirectory(prefix="divergence-env-")
 
@@ -87,8 +87,6 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
     cause_fields: list = []
 
     def confirm(cause, rd):
-        from .cause import BY_ENVIRONMENT
-
         got = env_confirm(cause, rd)
         cause.confirmed_by = BY_ENVIRONMENT if got[0] is not None else None
         return got

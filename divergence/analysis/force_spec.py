@@ -7,7 +7,6 @@ import numpy as np
 from ..core.names import ATTENTION, ATTENTION_KERNELS, OPS
 from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy
 from ..errors import PolicyError
-from .tp import check_unsharded
 
 
 def parse_force(items) -> dict:
@@ -61,6 +60,8 @@ def check_forced(trace, forced: dict) -> None:
     steps = np.asarray(trace.steps["index"])
     have = set(int(x) for x in steps)
     span = f"steps {int(steps.min())}-{int(steps.max())}" if len(steps) else "no steps"
+
+    from .tp import check_unsharded  # (lazy: a cycle: tp words its forcings with describe_forced)
 
     check_unsharded(trace, forced)
     for step, pol in sorted(forced.items()):

@@ -7,14 +7,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..core.labels import label_policy
+from ..core.names import ATTENTION, EXPERTS, PREFILL
+from ..core.policy import SOLO, KernelPolicy, RelayoutStep, SoloStep
+from .step_view import step_kernels
 
 
 def _as_a(a_step_kernels: dict, a_rows: dict | None = None) -> dict:
     """Force a B step to run every op with the kernel A's step used for it. A `native`
     op that A ran on one row is forced to `gemv` (the native op one row at a time): on
     a backend whose native kernel depends on the row count, that is A's kernel."""
-    from ..core.policy import KernelPolicy
-
     out = {}
     for op, lbl in a_step_kernels.items():
         if lbl == "native" and a_rows is not None and a_rows.get(op) == 1:
@@ -35,10 +36,6 @@ def force_like_a(a, step_a: int, b, step_b: int, rid: str | None = None, positio
     B split by the prefix cache or by chunking), B's step computes A's span in one pass
     (RelayoutStep): on a backend whose kernels depend on the row count, only A's rows do.
     alone: run the step as A ran it (SOLO / RelayoutStep) whatever the kernel labels."""
-    from ..core.names import ATTENTION
-    from ..core.policy import SOLO, RelayoutStep
-    from .step_view import step_kernels
-
     ka = step_kernels(a, step_a)
     kb = step_kernels(b, step_b)
     # the ops both steps ran (a step without logit rows has no lm_head: a prefill chunk in
@@ -73,8 +70,6 @@ def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
     passes one after the other.
     {} where that does not fit: the same passes, several owners, A's passes not starting at
     0 or at B's first position."""
-    from ..core.names import PREFILL
-
     def spans(trace, who, until=None):
         return [(p.index, s.start, s.start + s.count) for p in trace.iter_plans()
                 if p.model == "target" and (until is None or p.index < until)
@@ -105,8 +100,6 @@ def prefill_as_a(a, b, rid: str, until_b: int) -> dict:
 def _passes(rid: str, steps: list, passes: list) -> dict:
     """A's passes onto B's steps of the request, one a step; where B had fewer steps, its last
     one runs the remaining passes one after the other."""
-    from ..core.policy import RelayoutStep
-
     spans = [(lo, hi) for _, lo, hi in passes]
     k = min(len(steps), len(spans))
     out = {}
@@ -143,16 +136,12 @@ def _slice_of(trace, step: int, rid: str | None):
 def _mixed_experts(trace, step: int) -> bool:
     """Did A's step run its experts on more than one kernel (threshold:N picks per expert
     from the rows it received)? No single kernel then reproduces it: SOLO does."""
-    from ..core.names import EXPERTS
-
     ks = trace.kernels(step=step)
     sel = ks["op"] == EXPERTS
     return len({(str(k), int(s)) for k, s in zip(ks["kernel"][sel], ks["splits"][sel])}) > 1
 
 
 def forcing_words(forced: dict, label_a: str) -> str:
-    from ..core.policy import RelayoutStep, SoloStep
-
     steps = sorted(forced)
     shown = ", ".join(map(str, steps[:6])) + (f" and {len(steps) - 6} more" if len(steps) > 6 else "")
     solo = [s for s in steps if isinstance(forced[s], (SoloStep, RelayoutStep))]

@@ -18,7 +18,12 @@ from typing import Callable
 from ..errors import DivergenceInputError
 from .bisect import bisect_traces
 from .cause import BY_REPLAY_UNSHARDED, ENVIRONMENT, BisectReport
+from .confirm import make_confirmer, make_replay_bisector
+from .confirm_command import make_command_confirmer
 from .diff import pair_labels
+from .environment import environment_differs
+from .environment_confirm import make_environment_confirmer
+from .tp import make_tp_confirmer
 
 
 @dataclass
@@ -66,12 +71,10 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
     confirmer = bisector = op_finder = None
     closers = []
     if opts.confirm_cmd:  # the user's engine confirms (traces of other engines)
-        from .confirm_command import make_command_confirmer
-
         confirmer = make_command_confirmer(a, b, opts.confirm_cmd, *labels, keep=opts.keep)
     elif opts.replay and (opts.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not foreign(a, b)):
         # (--confirm on another engine's traces: check_replayable refuses them, in one line)
-        from .replayer import Replayer, check_replayable, make_confirmer, make_op_finder, make_replay_bisector
+        from .replayer import Replayer, check_replayable, make_op_finder  # (lazy: the engine's door loads a BLAS)
 
         if opts.confirm or ops:
             check_replayable(a)
@@ -80,8 +83,6 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
         replayer = make(opts.model_dir, opts.draft_dir)
         confirmer = make_confirmer(a, b, replayer, *labels)
         if a.tp_degree != b.tp_degree:  # TP=1 vs TP=N: proven by replaying the TP side unsharded
-            from .tp import make_tp_confirmer
-
             confirmer = _confirmed_by(make_tp_confirmer(a, b, replayer, *labels), BY_REPLAY_UNSHARDED)
         if opts.confirm:
             confirmer = _with_environment(a, b, confirmer, opts, labels, closers)
@@ -109,11 +110,8 @@ def _confirmed_by(confirmer, name: str):
 def _with_environment(a, b, confirmer, opts: AnalysisOptions, labels, closers):
     """An environment cause is proved by B replayed under A's environment; other causes of
     the same pair by the confirmer they would have had."""
-    from .environment import environment_differs
-
     if not environment_differs(a, b):
         return confirmer
-    from .environment_confirm import make_environment_confirmer
 
     env_confirm = make_environment_confirmer(a, b, model_dir=opts.model_dir, draft_dir=opts.draft_dir,
                                              label_a=labels[0], label_b=labels[1])

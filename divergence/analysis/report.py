@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from ..core.labels import composition_text, span_text
 from .cause import CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, RootCause
-from .step_view import StepView
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
+from .step_view import StepView
 
 KIND_TEXT = {CACHE_CONTAMINATION: "cache contamination", STEP_COMPUTE: "step compute", SAMPLER: "sampler",
              ENVIRONMENT: "environment"}

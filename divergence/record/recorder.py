@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..core.atomic import temp_name
 from ..core.events import KernelChoice, KvWrite, RequestEvent, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent
 from ..core.hashing import HASH_NAME
 from ..core.names import RECORD_KINDS
@@ -266,12 +267,10 @@ class Recorder:
             self._emit(fan)
             fan.on_run_end(completed)
             return None
-        from ..trace.writer import TraceWriter  # h5py only when writing
+        from ..trace.writer import TraceWriter  # (lazy: loads h5py, only when writing)
 
         ops = [k["op"] for g in self._records.values() for k in g["kernel"]]
         kernels = [k["kernel"] for g in self._records.values() for k in g["kernel"]]
-        from ..core.atomic import temp_name
-
         partial = temp_name(self.path, "partial")  # unique per process: two imports never write one file
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from ..core.atomic import temp_name
 from . import schema as S
 
 
@@ -95,8 +96,6 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
     writer encodes into (schema.record_dtype at `widths`): (file, tables, commit).
     Made under a temporary name and renamed once in SWMR mode, so that a reader never
     opens it half made (HDF5 refuses that file with a lock error)."""
-    from ..core.atomic import temp_name
-
     tmp = temp_name(path, "new")  # unique: two writers of one path never share it
     f = h5py.File(tmp, "w", libver="latest")
     try:
@@ -150,7 +149,9 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         f.flush()
         os.replace(tmp, path)
     except BaseException:
-        from .writer import close_or_abandon  # a full disk: h5py's close of it would crash later
+        from .writer import close_or_abandon  # (lazy: a cycle: writer imports layout)
+
+        # a full disk: h5py's close of it would crash later
 
         close_or_abandon(f)
         tmp.unlink(missing_ok=True)

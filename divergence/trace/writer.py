@@ -12,12 +12,15 @@ with SIGKILL leaves a readable file holding every flushed step, marked incomplet
 """
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from h5py import h5f, h5i
 
 from ..core.events import (
     AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, TokenEvent,
@@ -344,8 +347,6 @@ def _abandon(f) -> None:
     datasets' deallocation (at GC or exit) segfaults in HDF5. One more reference on each of its
     open ids keeps HDF5 from ever freeing them; the process exits cleanly, and the caller
     removes the file (its disk space returns when the process ends)."""
-    from h5py import h5f, h5i
-
     try:
         ids = h5f.get_obj_ids(f.id, h5f.OBJ_ALL)
         for i in ids:
@@ -357,9 +358,6 @@ def _abandon(f) -> None:
 
 def _reason(e: BaseException) -> str:
     """An I/O failure in a few words, on one line (h5py's messages span lines and name its buffers)."""
-    import os
-    import re
-
     if isinstance(e, OSError) and e.strerror:
         return e.strerror
     text = " ".join(str(e).split())

@@ -8,10 +8,12 @@ break the page; the prose is analysis.report's, the same lines the CLI prints.
 from __future__ import annotations
 
 import html
+import json
 from pathlib import Path
 
 from ...core.labels import span_text
 from ..cause import BY_COMMAND, BY_ENVIRONMENT, BY_REPLAY, CONFIRMED_BY
+from ..pipeline import foreign
 from ..report import confirm_hint, request_lines
 from . import data as D
 from . import plots
@@ -111,7 +113,6 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
     out = ["<h2 id=root-cause>Root cause</h2>"]
     by_id = {r.id: r for r in d.requests}
     any_cause = False
-    from ..pipeline import foreign
 
     other_engine = foreign(a, b)
     hint = confirm_hint(d, other_engine)
@@ -225,8 +226,6 @@ def _num(v) -> str:
 def _value_html(v, depth: int = 0) -> str:
     """A bisect-report value, readably: text as text, runs of integers as spans (9-12), mappings
     as nested key/value tables, anything else as JSON (non-ASCII kept: Δ, not \\u0394)."""
-    import json
-
     if isinstance(v, str):
         return esc(v if len(v) <= 600 else v[:600] + " …")
     if isinstance(v, bool) or v is None:

@@ -25,7 +25,7 @@ RC = {"svg.fonttype": "none", "svg.hashsalt": "divergence", "font.size": 9, "axe
 
 
 def _figure(w: float, h: float):
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # (lazy: loads matplotlib, only to draw)
 
     return Figure(figsize=(w, h), layout="constrained")
 
@@ -33,7 +33,7 @@ def _figure(w: float, h: float):
 def to_svg(fig) -> str:
     """The figure as an inline <svg> element: no XML prolog, DOCTYPE, metadata or namespace
     URIs (an HTML parser needs none), so the page names no http(s) address at all."""
-    import matplotlib
+    import matplotlib  # (lazy: loads matplotlib, only to draw)
 
     buf = io.StringIO()
     with matplotlib.rc_context(RC):
@@ -49,8 +49,8 @@ def to_svg(fig) -> str:
 def margin_plot(s: MarginSeries, label_a: str, label_b: str) -> str:
     """Top-1 margins of A and B, and max |Δlogit|, over positions; the first numeric difference and
     the flip as vertical lines, labelled in a strip above the curves (never on them), the legend below."""
-    import matplotlib
-    from matplotlib.lines import Line2D
+    import matplotlib  # (lazy: loads matplotlib, only to draw)
+    from matplotlib.lines import Line2D  # (lazy: loads matplotlib, only to draw)
 
     with matplotlib.rc_context(RC):
         fig = _figure(7.6, 4.4)
@@ -97,9 +97,9 @@ def margin_plot(s: MarginSeries, label_a: str, label_b: str) -> str:
 
 
 def kv_plot(g: KvGrid, label_a: str, label_b: str) -> str:
-    import matplotlib
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
+    import matplotlib  # (lazy: loads matplotlib, only to draw)
+    from matplotlib.colors import ListedColormap  # (lazy: loads matplotlib, only to draw)
+    from matplotlib.patches import Patch  # (lazy: loads matplotlib, only to draw)
 
     colors = {KV_ABSENT: "#ffffff", KV_EQUAL: "#dfe6ee", KV_DIFFER: "#f4a261", KV_DIFFER_CAUSE: "#c0392b"}
     names = {KV_EQUAL: "equal", KV_DIFFER: "differs",
@@ -138,8 +138,8 @@ def timeline_plot(sides: list[tuple[str, list[StepRow], dict]], colors: dict[str
                   focus: set[str]) -> str:
     """Rows per target step, stacked by request; the root-cause steps of each side marked.
     sides: (label, steps, root-cause steps {step: request ids}). Requests outside `focus` are drawn faded."""
-    import matplotlib
-    from matplotlib.patches import Patch
+    import matplotlib  # (lazy: loads matplotlib, only to draw)
+    from matplotlib.patches import Patch  # (lazy: loads matplotlib, only to draw)
 
     with matplotlib.rc_context(RC):
         fig = _figure(7.6, 1.2 + 1.5 * len(sides))
