@@ -4,6 +4,8 @@ at once), then bisect: its divergences get root causes like the engine's.
     python bench/batch_generator_trace.py --model DIR --prompts P.jsonl --max-tokens 64 \\
         --out traces/bg [--json bench/results/cuda/bg_fixture.json]
 
+    python bench/batch_generator_trace.py --quick      # the fixture, 4 built-in prompts, 12 tokens
+
 Prints the bisect report; --json writes {tokens diverged, causes} plus bisect's JSON.
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,12 +30,24 @@ from divergence.trace.writer import TraceWriter  # noqa: E402
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None, help="default: the embedded fixture")
+    ap.add_argument("--prompts", default=None, help="default: four short prompts")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default 64 (--quick: 12)")
+    ap.add_argument("--out", default=None, help="trace folder (default: a temp dir)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.model is None:
+        from divergence.fixtures import TARGET
+
+        args.model = str(TARGET)
+    args.max_tokens = args.max_tokens or (12 if args.quick else 64)
+    tmp = Path(tempfile.mkdtemp(prefix="divergence-bg-"))
+    args.out = args.out or tmp / "traces"
+    if args.prompts is None:
+        args.prompts = tmp / "prompts.jsonl"
+        args.prompts.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(
+            ["Return the number of", "This module provides", "Open file and", "def main():"])))
     loaded = load_model(args.model)
     reqs = load_prompts(args.prompts, loaded.encode, max_tokens=args.max_tokens)
     out = Path(args.out)

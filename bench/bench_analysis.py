@@ -138,8 +138,10 @@ def main():
     for k, v in res["tracing"].items():
         print(f"{k:<6} {v['tok_s_plain']:>10.1f} {v['tok_s_traced']:>13.1f} {v['overhead']:>8.1%} "
               f"{v['trace_bytes_per_token']:>12.0f} {v['replay_vs_run']:>10.2f}x")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "analysis.json").write_text(json.dumps(res, indent=2))
+    out = Path(tempfile.gettempdir()) / "divergence-bench" / "quick" if args.quick else RESULTS
+    out.mkdir(parents=True, exist_ok=True)  # --quick: a temp dir, the recorded result stays
+    (out / "analysis.json").write_text(json.dumps(res, indent=2))
+    print(f"[bench] wrote {out / 'analysis.json'}")
 
 
 if __name__ == "__main__":

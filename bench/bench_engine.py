@@ -290,21 +290,25 @@ def print_tables(results: list[dict]) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="fixture,qwen0.5b",
-                    help="comma list of: fixture, fixture-4bit, qwen0.5b, qwen0.5b-4bit")
-    ap.add_argument("--dtypes", default="float32,bfloat16",
-                    help="comma list of: float32, bfloat16, float16, stored (as on disk: use it for 4-bit)")
-    ap.add_argument("--quick", action="store_true", help="fewer tokens and batch sizes; 3 repetitions")
+    ap.add_argument("--models", default=None,
+                    help="comma list of: fixture, fixture-4bit, qwen0.5b, qwen0.5b-4bit (default fixture,qwen0.5b; --quick: fixture)")
+    ap.add_argument("--dtypes", default=None,
+                    help="comma list of: float32, bfloat16, float16, stored (as on disk: use it for 4-bit); "
+                         "default float32,bfloat16 (--quick: float32)")
+    ap.add_argument("--quick", action="store_true", help="the fixture in float32, fewer tokens and batch sizes, 3 repetitions (about a minute)")
     ap.add_argument("--reps", type=int, default=None, help="repetitions (>= 3; default 7 fixture, 3 qwen)")
     ap.add_argument("--tokens", type=int, default=None, help="generated tokens per request (override)")
     ap.add_argument("--batches", default=None, help="batch sizes, e.g. 1,2,4,8 (override)")
     ap.add_argument("--target", default=None, help="fixture target directory (default: the embedded fixture)")
     ap.add_argument("--draft", default=None, help="(unused here; for symmetry with bench_speculative)")
     ap.add_argument("--model-cache", default=None, help="where the random qwen0.5b model is generated/reused")
-    ap.add_argument("--out", default=str(C.RESULTS / "engine.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/engine.json (--quick: a temp dir)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the other (model, dtype) entries already in --out, replace the measured ones")
     a = ap.parse_args()
+    a.models = a.models or ("fixture" if a.quick else "fixture,qwen0.5b")
+    a.dtypes = a.dtypes or ("float32" if a.quick else "float32,bfloat16")
+    a.out = C.out_path("engine", a.quick, a.out)
     meta = C.meta(a)  # at the start: the engine commit that was measured
     t_all = time.perf_counter()
     target, _draft, where = C.fixture_paths(a.target, a.draft)

@@ -238,14 +238,16 @@ def print_table(results: list[dict], ceiling: float) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default="float32,4bit", help="comma list of: float32, 4bit")
+    ap.add_argument("--formats", default=None, help="comma list of: float32, 4bit (default both; --quick: float32)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--model-cache", default=None)
     ap.add_argument("--target", default=None, help="tokenizer source (default: the embedded fixture)")
-    ap.add_argument("--out", default=str(C.RESULTS / "moe.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/moe.json (--quick: a temp dir)")
     a = ap.parse_args()
+    a.formats = a.formats or ("float32" if a.quick else "float32,4bit")
+    a.out = C.out_path("moe", a.quick, a.out)
     meta = C.meta(a)
     t_all = time.perf_counter()
     target, _d, _w = C.fixture_paths(a.target, None)

@@ -279,8 +279,8 @@ def print_tables(spec: list[dict], prefix: list[dict]) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ks", default="1,2,3,4,5,6", help="draft lengths k to measure")
-    ap.add_argument("--dtypes", default="bfloat16,float32", help="dtypes of the speculative runs")
+    ap.add_argument("--ks", default=None, help="draft lengths k to measure (default 1,2,3,4,5,6; --quick: 2,4)")
+    ap.add_argument("--dtypes", default=None, help="dtypes of the speculative runs (default bfloat16,float32; --quick: float32)")
     ap.add_argument("--prefix-models", default=None,
                     help="models of the prefix-cache workload (default fixture,qwen0.5b; --quick: fixture)")
     ap.add_argument("--prefix-dtype", default="float32", help="dtype of the prefix-cache runs")
@@ -292,8 +292,11 @@ def main():
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--model-cache", default=None, help="where the random qwen0.5b model is generated/reused")
-    ap.add_argument("--out", default=str(C.RESULTS / "speculative.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/speculative.json (--quick: a temp dir)")
     a = ap.parse_args()
+    a.ks = a.ks or ("2,4" if a.quick else "1,2,3,4,5,6")
+    a.dtypes = a.dtypes or ("float32" if a.quick else "bfloat16,float32")
+    a.out = C.out_path("speculative", a.quick, a.out)
     meta = C.meta(a)  # at the start: the engine commit that was measured
     t_all = time.perf_counter()
     target, draft, where = C.fixture_paths(a.target, a.draft)

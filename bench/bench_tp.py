@@ -27,15 +27,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="float32 only, 8 tokens per request")
     p.add_argument("--models", default="fixture", help="comma list: fixture, qwen0.5b")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default=None, help="default float32,bfloat16 (--quick: float32)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="requests per run (concurrent schedule)")
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/tp.json)")
+    p.add_argument("--max-tokens", type=int, default=None, help="default 24 (--quick: 8)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/tp.json; --quick: a temp dir)")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks by the parent
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    a.dtypes = a.dtypes or ("float32" if a.quick else "float32,bfloat16")
+    a.max_tokens = a.max_tokens or (8 if a.quick else 24)
+    return a
 
 
 def main(argv=None) -> int:
@@ -54,7 +58,7 @@ def main(argv=None) -> int:
     data = json.loads(tmp.read_text())
     tmp.unlink()
     data["meta"] = common.meta(args)
-    out = Path(args.out) if args.out else common.RESULTS / "tp.json"
+    out = common.out_path("tp", args.quick, args.out)
     common.write_json(out, data)
     rows = [[r["model"], r["dtype"], common.fmt(r["tp1_tok_s"]["median"]), common.fmt(r["tp2_tok_s"]["median"]),
              common.fmt(r["tp2_over_tp1"]), f"{r['allreduce_share_in_place'] * 100:.0f}%",
@@ -78,6 +82,8 @@ def rank_main(args) -> int:
     flags = Path(os.environ[tpenv.DIR_ENV])
 
     class Counter(Observer):
+        wants_kernels = True  # all-reduces go out with the kernel choices, only to observers that ask
+
         def __init__(self):
             self.sizes: list[int] = []
 

@@ -10,6 +10,7 @@ count (attention runs per sequence in the engine, so only its query length
 matters; `probe` covers that).
 
     python bench/op_rows.py --model fixtures/target --rows 8 [--json out.json]
+    python bench/op_rows.py --quick        # the embedded fixture, 4 rows
 """
 from __future__ import annotations
 
@@ -47,10 +48,16 @@ def rows_differ(fn, x: mx.array) -> list[int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--model", default=None, help="default: the embedded fixture")
+    ap.add_argument("--rows", type=int, default=None, help="default 8 (--quick: 4)")
+    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    if args.model is None:
+        from divergence.fixtures import TARGET
+
+        args.model = str(TARGET)
+    args.rows = args.rows or (4 if args.quick else 8)
     loaded = load_model(args.model)
     fwd = PackedForward(loaded)
     rng = np.random.default_rng(0)

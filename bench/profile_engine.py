@@ -225,13 +225,14 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
             prof.stop()
             f = outdir / f"profile_{name}_{t.dtype}_b{b}.txt"
             f.write_text(prof.output_text(unicode=False, color=False, show_all=False))
-            row["pyinstrument"] = str(f.relative_to(C.ROOT))
+            row["pyinstrument"] = str(f.relative_to(C.ROOT) if f.is_relative_to(C.ROOT) else f)
     return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="fixture,qwen0.5b")
+    ap.add_argument("--quick", action="store_true", help="the fixture only, fewer tokens and reps")
+    ap.add_argument("--models", default=None, help="default fixture,qwen0.5b (--quick: fixture)")
     ap.add_argument("--dtypes", default="float32", help="comma list; 'stored' keeps the dtype on disk (4-bit)")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--no-pyinstrument", action="store_true")
@@ -239,8 +240,12 @@ def main():
     ap.add_argument("--model-cache", default=None)
     ap.add_argument("--tokens", type=int, default=None, help="decode tokens per run (default: per model)")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--out", default=str(C.RESULTS / "profile.json"))
+    ap.add_argument("--out", default=None, help="default bench/results/profile.json (--quick: a temp dir)")
     a = ap.parse_args()
+    a.models = a.models or ("fixture" if a.quick else "fixture,qwen0.5b")
+    if a.quick:
+        a.tokens, a.reps = a.tokens or 16, a.reps or 2
+    a.out = C.out_path("profile", a.quick, a.out)
     meta = C.meta(a)  # at the start: the engine commit that was measured
     t0 = time.perf_counter()
     target, _, where = C.fixture_paths(a.target, None)
@@ -252,7 +257,7 @@ def main():
             sz = dict(SIZES[name.replace("-4bit", "")])
             sz.update({k: v for k, v in (("tokens", a.tokens), ("reps", a.reps)) if v})
             out.append(breakdown(name, path, None if dtype == "stored" else dtype, sz, batches, not a.no_pyinstrument,
-                                 C.RESULTS))
+                                 a.out.parent))
     rows = []
     for r in out:
         for b, x in r["batches"].items():
