@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PromptError
 from .names import WARMUP_PREFIX  # noqa: F401  (re-exported)
+from .rules import at_least_one
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class Request:
             raise PromptError("a request needs a non-empty id")
         if len(self.prompt_tokens) == 0:
             raise PromptError(f"request {self.id!r}: the prompt is empty")
-        if self.max_tokens < 1:
-            raise PromptError(f"request {self.id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+        at_least_one(f"request {self.id!r}: max_tokens", self.max_tokens)
         if self.arrival < 0:
             raise PromptError(f"request {self.id!r}: arrival must be >= 0, got {self.arrival}")

@@ -10,8 +10,9 @@ rebuilds the engine a trace was recorded with (what replay and the runner use).
 from __future__ import annotations
 
 from ..core.events import Observer
-from ..core.names import LOGITS, SCHEDULES, TOPK_VALUES
+from ..core.names import LOGITS, TOPK_VALUES
 from ..core.request import Request
+from ..core.rules import at_least_one, check_schedule
 from ..errors import PromptError, ReplayError
 from .kernels.dispatch import KernelPolicy
 from .kernels.environment import environment
@@ -67,8 +68,7 @@ class Engine:
         self.spec_k = spec_k
         if token_budget < spec_k + 1:
             raise PromptError(f"token budget {token_budget} is smaller than one verify ({spec_k + 1} rows)")
-        if top_k < 1:
-            raise PromptError(f"top_k must be >= 1, got {top_k}")
+        at_least_one("top_k", top_k)
         if prefill not in PREFILL_LAYOUTS:
             raise PromptError(f"unknown prefill layout {prefill!r} (expected {' or '.join(PREFILL_LAYOUTS)})")
         if topk_values not in TOPK_VALUES:
@@ -163,8 +163,7 @@ class Engine:
     def run(self, requests: list[Request], schedule: str = "serial", *, strict: bool = True) -> RunResult:
         """Run requests under a schedule. strict: a bad request raises PromptError;
         otherwise it is reported in its output and the others run."""
-        if schedule not in SCHEDULES:
-            raise PromptError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+        check_schedule(schedule)
         ids = [r.id for r in requests]
         if len(set(ids)) != len(ids):
             raise PromptError("request ids must be unique")

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.request import Request
+from ..core.rules import at_least_one
 from ..errors import PromptError
 
 MAX_BATCH = 1024  # --max-batch above this is refused (the fillers of one run are all in memory at once)
@@ -58,8 +59,7 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
         raise PromptError("sweep needs a non-empty --prompt")
     if not 1 <= max_batch <= MAX_BATCH:
         raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
-    if max_tokens < 1:
-        raise PromptError(f"--max-tokens must be >= 1, got {max_tokens}")
+    at_least_one("max_tokens", max_tokens)
     rng = random.Random(seed)
     needle = tuple(engine.encode(prompt))
     alone = engine.run([Request("needle", needle, max_tokens=max_tokens)], "concurrent").outputs["needle"].tokens
