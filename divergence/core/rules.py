@@ -2,16 +2,18 @@
 the engine): each lives here once, and its refusal is one line."""
 from __future__ import annotations
 
+from numbers import Integral
+
 from ..errors import PromptError
 from .names import SCHEDULES
 
 
 def at_least_one(name: str, value, error: type[Exception] = PromptError) -> int:
-    """An integer >= 1 (not a bool, not a float): `value` itself, else error('NAME must be ...')."""
+    """An integer >= 1 (numpy's too; not a bool, not a float): int(value), else error('NAME must be ...')."""
     __tracebackhide__ = True  # (a plugin argument's error points at the test's line)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
         raise error(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return int(value)
 
 
 def schedules(value, *, to_compare: bool = False) -> tuple[str, ...]:
