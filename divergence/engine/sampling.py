@@ -106,8 +106,8 @@ def topk_ids(logits: mx.array, k: int) -> mx.array:
     of CHUNK ids with the largest maxima hold every value above the k-th largest, and
     enough equal to it (so the values are exact; which of the ids tied at the k-th value
     are kept is arbitrary, as with any partition), then a partition of those k * CHUNK.
-    One pass over the vocabulary (a max) instead of a partition of it: 9.6 ms -> 1 ms at
-    [8, 151936] on this CPU."""
+    One pass over the vocabulary (a max) instead of a partition of it: on a large
+    vocabulary, several times cheaper."""
     rows, vocab = logits.shape
     if vocab % CHUNK or vocab // CHUNK <= k:
         return mx.argpartition(logits, kth=vocab - k, axis=-1)[:, vocab - k :]

@@ -40,7 +40,7 @@ class LinearOp:
     # inputs and need an all-reduce after (sharded-to-all); None = replicated (lm_head).
     shard: str | None = None
     # Asked for every op of every step: looked up once (a module attribute probe goes
-    # through mlx.nn.Module.__getattr__, ~1 us each, dozens per step).
+    # through mlx.nn.Module.__getattr__, a dict probe each, dozens per step).
     quantized: bool = field(init=False)
     weight_dtype: object = field(init=False, repr=False)
     splittable: bool = field(init=False, repr=False)

@@ -11,7 +11,7 @@ stream, and concatenating gives the same bits as the single call: the engine's
 every kind of product against the unsplit call).
 
 Part 0 runs on the caller's stream and parts 1.. on their own, so each product
-costs one cross-thread wait (about 30 us), paid back from about 2^18
+costs one cross-thread wait, paid back from about 2^18
 multiply-adds. Products below that, fp32 under an optimized BLAS, and every
 non-CPU device run unsplit.
 

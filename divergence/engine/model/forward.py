@@ -94,7 +94,7 @@ class PackedForward:
         self.shared_rope = shared_rope([layer.self_attn.rope for layer in self.blocks])
         self.dtype = self.inner.norm.weight.dtype
         # each layer's modules, looked up once: an mlx.nn attribute goes through
-        # Module.__getattr__ (a dict probe, ~1-3 us at a step's cold start), ~22 a step
+        # Module.__getattr__ (a dict probe each), and a step asks for them over and over
         self.parts = [LayerParts.of(layer) for layer in self.blocks]
         self.embed, self.final_norm = self.inner.embed_tokens, self.inner.norm
         # memos of the native kernels' class signatures, shared by every run of this forward

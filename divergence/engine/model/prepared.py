@@ -119,7 +119,7 @@ def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedS
 def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
     """A step of one-row decode / draft slices (every decode step of a run): the same
     PreparedStep as _prepare_general, from Python ints instead of per-slice numpy arrays
-    (fixture, B=8: 0.165 -> 0.025 ms a step; tests/engine/test_prepared.py compares the two)."""
+    (several times cheaper, every decode step; tests/engine/test_prepared.py compares the two)."""
     bs = blocks.block_size
     sl = plan.slices
     B = len(sl)
