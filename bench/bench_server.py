@@ -3,7 +3,7 @@ staggered over the run; the engine (untraced and traced) vs mlx-lm's BatchGenera
 process, paired.
 
     python bench/bench_server.py                       # fixture + qwen0.5b shape, float32 + bfloat16
-    python bench/bench_server.py --quick               # the fixture in float32, 16 tokens, 5 reps
+    python bench/bench_server.py --quick               # a check: the fixture in float32, 16 requests, prompts 8-128, 8 tokens
     python bench/bench_server.py --models fixture --dtypes float32,bfloat16 --reps 7
 
 Request i arrives at step i * --stagger: the engine's `arrival` (its concurrent schedule
@@ -129,13 +129,14 @@ def bench_one(name: str, path, dtype: str, a) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the fixture in float32, 16 tokens, 5 reps")
+    ap.add_argument("--quick", action="store_true",
+                    help="a check, not the workload: the fixture in float32, 16 requests, prompts 8-128, 8 tokens")
     ap.add_argument("--models", default=None, help="fixture, qwen0.5b (default both; --quick: fixture)")
     ap.add_argument("--dtypes", default=None, help="default float32,bfloat16 (--quick: float32)")
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=None, help="default 32 (--quick: 16)")
     ap.add_argument("--min-prompt", type=int, default=8)
-    ap.add_argument("--max-prompt", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=None, help="generated tokens per request (default 32; --quick 16)")
+    ap.add_argument("--max-prompt", type=int, default=None, help="default 512 (--quick: 128)")
+    ap.add_argument("--tokens", type=int, default=None, help="generated tokens per request (default 32; --quick 8)")
     ap.add_argument("--stagger", type=int, default=2, help="steps between arrivals")
     ap.add_argument("--token-budget", type=int, default=512, help="the engine's rows per step")
     ap.add_argument("--reps", type=int, default=5)
@@ -144,7 +145,9 @@ def main() -> None:
     a = ap.parse_args()
     a.models = a.models or ("fixture" if a.quick else "fixture,qwen0.5b")
     a.dtypes = a.dtypes or ("float32" if a.quick else "float32,bfloat16")
-    a.tokens = a.tokens or (16 if a.quick else 32)
+    a.tokens = a.tokens or (8 if a.quick else 32)
+    a.requests = a.requests or (16 if a.quick else 32)
+    a.max_prompt = a.max_prompt or (128 if a.quick else 512)
     a.reps = max(5, a.reps)
     out = C.out_path("server", a.quick, a.out)
     meta = C.meta(a)
