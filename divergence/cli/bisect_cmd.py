@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 
 from .common import emit_json, open_pair
+from .html_page import check_out, write_page
 
 HELP = "walk back from each divergent token to the batch step that caused it; --confirm proves it by replay"
 
@@ -34,8 +35,7 @@ def add_arguments(p, *, html_required: bool = False) -> None:
 
 
 def main(args) -> int:
-    from ..analysis.report import render_bisect
-    from .html_page import check_out, write_page
+    from ..analysis.report import render_bisect  # (lazy: loads numpy and h5py; the parser imports every command)
 
     html = check_out(args.html, inputs=(args.a, args.b)) if getattr(args, "html", None) else None
     a, b = open_pair(args.a, args.b)
@@ -46,7 +46,7 @@ def main(args) -> int:
         if args.json:
             emit_json(report.to_json())
         else:
-            from ..analysis.pipeline import foreign
+            from ..analysis.pipeline import foreign  # (lazy: loads numpy and h5py; the parser imports every command)
 
             print(render_bisect(report, a.vocab, foreign=foreign(a, b)))
     return 0 if report.identical else 1
@@ -54,6 +54,7 @@ def main(args) -> int:
 
 def build_report(args, a, b):
     """The BisectReport of two open traces, as the options ask (report_cmd uses it too)."""
+    # (lazy: loads numpy and h5py; the parser imports every command)
     from ..analysis.pipeline import AnalysisOptions, analyze_pair
 
     return analyze_pair(a, b, AnalysisOptions.from_args(args))

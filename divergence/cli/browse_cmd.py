@@ -10,6 +10,6 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..tui.app import run_browser
+    from ..tui.app import run_browser  # (lazy: loads textual)
 
     return run_browser(args.a, args.b)

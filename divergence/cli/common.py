@@ -12,7 +12,7 @@ def emit_json(obj) -> None:
 
 
 def _default(o):
-    import numpy as np
+    import numpy as np  # (lazy: loads numpy; the parser imports every command)
 
     if isinstance(o, np.generic):
         return o.item()
@@ -24,7 +24,7 @@ def _default(o):
 
 
 def open_pair(path_a, path_b):
-    from ..trace.reader import Trace
+    from ..trace.reader import Trace  # (lazy: loads h5py)
 
     a = Trace.open(path_a)
     try:
@@ -47,7 +47,7 @@ def default_model_dirs():
     """The embedded fixture models: the installed package, or the repo's fixtures/
     folder when running from a source tree on PYTHONPATH (no install)."""
     try:
-        from ..fixtures import DRAFT, TARGET
+        from ..fixtures import DRAFT, TARGET  # (lazy: an installed package's; absent in a bare source tree)
     except ModuleNotFoundError:
         root = Path(__file__).resolve().parents[2] / "fixtures"
         TARGET, DRAFT = root / "target", root / "draft"

@@ -15,8 +15,8 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..analysis.diff import diff_traces
-    from ..analysis.report import render_diff
+    from ..analysis.diff import diff_traces  # (lazy: loads numpy and h5py; the parser imports every command)
+    from ..analysis.report import render_diff  # (lazy: loads numpy and h5py; the parser imports every command)
 
     a, b = open_pair(args.a, args.b)
     with a, b:

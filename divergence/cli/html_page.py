@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.atomic import write_atomic
 from ..errors import DivergenceInputError
 from .paths import check_output_file
 
@@ -15,8 +16,7 @@ def check_out(path, inputs=()) -> Path:
 
 def write_page(report, a, b, path) -> str:
     """Write the page atomically (a failed write keeps an old page); returns the line to tell the user."""
-    from ..analysis.html import render_html
-    from ..core.atomic import write_atomic
+    from ..analysis.html import render_html  # (lazy: loads numpy and h5py; the parser imports every command)
 
     p = Path(path)
     text = render_html(report, a, b)

@@ -1,7 +1,10 @@
 """`divergence import DIR --out T.h5`: another engine's JSON Lines records -> a trace."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from .common import emit_json
+from .paths import check_output_file
 
 HELP = ("write a trace from another engine's JSON Lines records (docs/recording.md): "
         "one file per record kind, or lines with a 'kind' field")
@@ -15,8 +18,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..record.jsonl import import_records
-    from .paths import check_output_file
+    from ..record.jsonl import import_records  # (lazy: loads numpy and h5py; the parser imports every command)
 
     check_output_file(args.out, flag="--out", inputs=_inputs(args.src))
     counts = import_records(args.src, args.out)
@@ -30,8 +32,6 @@ def main(args) -> int:
 
 def _inputs(src) -> list:
     """The paths `import` reads: SRC, and a directory's .jsonl files."""
-    from pathlib import Path
-
     p = Path(src)
     try:
         return [p, *sorted(p.glob("*.jsonl"))] if p.is_dir() else [p]

@@ -8,8 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
+from importlib import import_module
 
+from .. import __version__
 from ..errors import DivergenceInputError
+from ..parallel.ranks import distribute
+from .common import default_model_dirs
+from .reexec import run_under_recorded_environment, run_under_requested_core
 
 SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import", "serve", "rerun")
 
@@ -38,8 +44,6 @@ EXIT_CODES = {
 
 
 def exit_codes_epilog(command: str) -> str:
-    import textwrap
-
     return "exit codes:\n" + "\n".join(textwrap.fill(v, 78, initial_indent=f"  {k}  ", subsequent_indent="     ")
                                          for k, v in sorted(EXIT_CODES[command].items()))
 
@@ -62,10 +66,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib import import_module
-
-    from .. import __version__
-
     parser = _Parser(prog="divergence", description="Find out why an LLM engine's output changes when "
                      "requests are batched: run, diff, bisect and replay traces.",
                      epilog="exit codes: 0 success, 1 a compared pair diverged, 2 bad input "
@@ -100,11 +100,6 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
-        from ..parallel.ranks import distribute
-        from .common import default_model_dirs
-
-        from .reexec import run_under_recorded_environment, run_under_requested_core
-
         code = run_under_requested_core(args, argv)  # run --blas-core
         if code is not None:
             return code
@@ -115,7 +110,7 @@ def main(argv=None) -> int:
         code = distribute(args, argv, default_model_dirs())
         if code is not None:
             return code
-        from .progress import replay_progress
+        from .progress import replay_progress  # (lazy: loads numpy; the parser imports every command)
 
         with replay_progress():  # on a terminal: 'replaying step 120/433' (replay, bisect --confirm, report)
             return int(args._run(args) or 0)

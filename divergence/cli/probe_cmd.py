@@ -1,6 +1,9 @@
 """`divergence probe`: which row counts give the same bits as M=1, per op shape."""
 from __future__ import annotations
 
+from pathlib import Path
+
+from ..errors import DivergenceInputError
 from .common import add_model_args, default_model_dirs, emit_json
 
 HELP = "map a backend's batch-invariance: row-count classes of every linear-op shape and of SDPA"
@@ -18,8 +21,8 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..engine.model.loading import load_model
-    from ..workloads.probe import parse_rows, probe_model
+    from ..engine.model.loading import load_model  # (lazy: loads MLX)
+    from ..workloads.probe import parse_rows, probe_model  # (lazy: loads MLX)
 
     rows = parse_rows(_no_empty_items(args.rows, "--rows"))
     if args.tp is not None and args.tp > 1:
@@ -43,8 +46,6 @@ def main(args) -> int:
 
 def _no_empty_items(text: str, what: str) -> str:
     """A comma list with an empty item (`1,,2`, `1,2,`) is a typo, refused rather than read as `1,2`."""
-    from ..errors import DivergenceInputError
-
     if ".." not in text and any(not x.strip() for x in text.split(",")):
         raise DivergenceInputError(f"bad {what} {text!r}: an empty item in the comma list")
     return text
@@ -52,13 +53,11 @@ def _no_empty_items(text: str, what: str) -> str:
 
 def _probe_tp(args, rows) -> int:
     """`probe --tp N`, run on each of the N ranks; rank 0 reports."""
-    from pathlib import Path
+    import mlx.core as mx  # (lazy: loads MLX)
 
-    import mlx.core as mx
-
-    from ..engine.model.loading import DTYPES, read_config
-    from ..parallel.group import current
-    from ..parallel.allreduce_probe import probe_tp
+    from ..engine.model.loading import DTYPES, read_config  # (lazy: loads MLX)
+    from ..parallel.group import current  # (lazy: loads MLX)
+    from ..parallel.allreduce_probe import probe_tp  # (lazy: loads MLX)
 
     target_dir, _ = default_model_dirs()
     model = Path(args.model or target_dir)

@@ -48,7 +48,7 @@ def replay_progress(what: str = "replaying"):
     if not on_tty():
         yield
         return
-    from ..analysis.replayer import REPLAY_PROGRESS
+    from ..analysis.replayer import REPLAY_PROGRESS  # (lazy: loads the BLAS)
 
     def line(trace):
         try:

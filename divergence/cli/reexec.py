@@ -13,6 +13,9 @@ import os
 import subprocess
 import sys
 
+from ..analysis.environment import (BLAS_FIELDS, REEXEC_ENV, Reproduction, child_environment, core_problem, recorded,
+                                    reproduction)
+from ..core.host import CORE_ENV
 from ..errors import EnvironmentMismatchError
 
 
@@ -29,14 +32,11 @@ def replayed_traces(args) -> list[str]:
 def run_under_recorded_environment(args, argv) -> int | None:
     """The child's exit code when the command had to run in a child process; None when this
     process already runs under the traces' environment (or the command replays nothing)."""
-    from ..analysis.environment import REEXEC_ENV, child_environment, recorded, reproduction
-
     paths = replayed_traces(args)
     if not paths or os.environ.get(REEXEC_ENV):
         return None
-    from ..analysis.replayer import this_process  # loads the BLAS: only for a command that replays
-    from ..analysis.environment import BLAS_FIELDS  # noqa: E402
-    from ..trace.reader import Trace
+    from ..analysis.replayer import this_process  # (lazy: loads the BLAS)
+    from ..trace.reader import Trace  # (lazy: loads numpy and h5py; the parser imports every command)
 
     if args.command == "replay" and getattr(args, "environment_of", None):
         paths = [args.environment_of]  # the environment asked for, not the trace's own
@@ -72,8 +72,6 @@ def run_under_requested_core(args, argv) -> int | None:
     core = getattr(args, "blas_core", None)
     if args.command != "run" or not core:
         return None
-    from ..analysis.environment import REEXEC_ENV, Reproduction, child_environment, core_problem
-    from ..core.host import CORE_ENV
 
     problem = core_problem(core)
     if problem:
@@ -81,7 +79,7 @@ def run_under_requested_core(args, argv) -> int | None:
     if "divergence.engine.kernels.blas" not in sys.modules:
         os.environ[CORE_ENV] = core  # read when the library loads, just below
         return None
-    from ..engine.kernels.blas import blas_core
+    from ..engine.kernels.blas import blas_core  # (lazy: loads the BLAS)
 
     if (blas_core() or "").lower() == core.lower() or os.environ.get(REEXEC_ENV):
         return None

@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import argparse
 
-from .common import emit_json
+from ..core.names import ATTENTION, ATTENTION_KERNELS, BATCH_INVARIANT, FORCIBLE_OPS, GEMM, GEMV, NATIVE
+from ..core.policy import SOLO_NAME, UNSHARDED_NAME
+from ..errors import DivergenceInputError
+from .common import emit_json, open_pair
+from .paths import check_output_file
+
 
 HELP = "re-execute a trace's exact schedule (optionally forcing kernels at steps) and report fidelity"
 
@@ -29,9 +34,6 @@ def add_arguments(p) -> None:
 
 def _force_help() -> str:
     """--force's help, its names from the core tables (core/names.py, core/policy.py)."""
-    from ..core.names import ATTENTION, ATTENTION_KERNELS, BATCH_INVARIANT, FORCIBLE_OPS, GEMM, GEMV, NATIVE
-    from ..core.policy import SOLO_NAME, UNSHARDED_NAME
-
     linear = [o for o in FORCIBLE_OPS if o != ATTENTION]
     return (f"run STEP with KERNEL: {GEMV} (every linear op row by row), {GEMM}, {GEMM}:S (split-K S), {NATIVE}, "
             f"{BATCH_INVARIANT}, threshold:N; or one op with STEP:OP=KERNEL, OP one of {', '.join(linear)} "
@@ -42,14 +44,12 @@ def _force_help() -> str:
 
 
 def main(args) -> int:
-    from ..analysis.replayer import replay
-    from .paths import check_output_file
+    from ..analysis.replayer import replay  # (lazy: loads the BLAS)
 
     if args.out:  # before any work: not the input trace, not a directory, in a writable place
         check_output_file(args.out, flag="--out", inputs=(args.trace,))
     if getattr(args, "against", None):  # before any work too: a pair that diff would compare
-        from ..analysis.diff import check_comparable
-        from .common import open_pair
+        from ..analysis.diff import check_comparable  # (lazy: loads numpy and h5py; the parser imports every command)
 
         a, b = open_pair(args.against, args.trace)
         with a, b:
@@ -116,8 +116,9 @@ def _compare(args, r):
     JSON-ready dicts; (None, None) where the replayed trace was not written here."""
     if not r.out:
         return None, None
+    # (lazy: loads numpy and h5py; the parser imports every command)
     from ..analysis.diff import diff_traces, trace_label
-    from ..trace.reader import Trace
+    from ..trace.reader import Trace  # (lazy: loads numpy and h5py; the parser imports every command)
 
     with Trace.open(args.trace) as orig, Trace.open(r.out) as new:
         changed = diff_traces(orig, new, bitwise=True).to_json() if r.forced else None
@@ -160,10 +161,10 @@ def _compare(args, r):
 def _tap(args) -> int:
     """--tap STEP:REQUEST --tap-out FILE: one step's op output rows for one request, recorded
     by a replay up to that step (analysis.environment_confirm reads them)."""
+    # (lazy: loads numpy and h5py; the parser imports every command)
     from ..analysis.environment_confirm import save_tap
-    from ..analysis.replayer import Replayer
-    from ..errors import DivergenceInputError
-    from ..trace.reader import Trace
+    from ..analysis.replayer import Replayer  # (lazy: loads the BLAS)
+    from ..trace.reader import Trace  # (lazy: loads numpy and h5py; the parser imports every command)
 
     step, _, rid = args.tap.partition(":")
     if not step.isdigit() or not rid or not args.tap_out:

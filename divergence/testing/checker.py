@@ -4,6 +4,7 @@ traces of each check in a folder named after the test, kept when it fails."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -142,8 +143,6 @@ def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:
 def point_at_copies(exc, moved: dict) -> bool:
     """The failure's text ('To reproduce: ...') names the kept copies, not the temporary traces
     (copied away and soon deleted). True when it changed the text."""
-    import shlex
-
     moved = {src: dst for src, dst in moved.items() if src != dst}
     if not moved:
         return False
@@ -168,8 +167,8 @@ def point_at_copies(exc, moved: dict) -> bool:
 def write_pages(report, paths: dict) -> list[str]:
     """The HTML page of each diverged pair, beside its kept traces: report.html (with more
     than two schedules, report-<schedule>.html per comparison). Returns what it wrote."""
-    from ..analysis.html import write_html
-    from ..trace.reader import Trace
+    from ..analysis.html import write_html  # (lazy: loads numpy and matplotlib; the plugin imports this module)
+    from ..trace.reader import Trace  # (lazy: loads h5py; the plugin imports this module)
 
     reports = report if isinstance(report, dict) else {None: report}
     out = []

@@ -6,6 +6,7 @@ commands that reproduce it.
 """
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 
 MAX_REQUESTS = 10  # diverged requests shown in full; the rest are counted
@@ -49,7 +50,7 @@ class RunSummary:
 def failure_text(comparisons: list[Comparison], run: RunSummary | None = None, *,
                  max_requests: int = MAX_REQUESTS) -> str:
     """The whole message: one block per diverged pair, then how to reproduce."""
-    from ..analysis.report import request_lines
+    from ..analysis.report import request_lines  # (lazy: loads numpy; the plugin imports this module)
 
     bad = [c for c in comparisons if not c.report.identical]
     lines = []
@@ -94,6 +95,4 @@ def failure_text(comparisons: list[Comparison], run: RunSummary | None = None, *
 
 
 def _q(path: str) -> str:
-    import shlex
-
     return shlex.quote(str(path))

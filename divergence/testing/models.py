@@ -62,10 +62,10 @@ def make_random_model(
     = (layer, eps) makes that layer's router rows equal up to eps * noise, so its gate
     values stay near-tied on every token (routing flips at the kernels' rounding).
     `extra_config`: more config.json keys (e.g. a `rope_scaling`), over the defaults."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    import mlx.core as mx  # (lazy: loads MLX)
+    import mlx.nn as nn  # (lazy: loads MLX)
+    from mlx.utils import tree_flatten  # (lazy: loads MLX)
+    from mlx_lm.utils import _get_classes, save_config, save_model  # (lazy: loads MLX)
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -114,7 +114,7 @@ def make_random_model(
     model.set_dtype(getattr(mx, dtype))
     if quantize_bits and hasattr(model, "quant_predicate"):
         # as `mlx_lm.convert -q` does: the family's own predicate (qwen3_moe: the router at 8 bits)
-        from mlx_lm.utils import quantize_model
+        from mlx_lm.utils import quantize_model  # (lazy: loads MLX)
 
         model, config = quantize_model(model, config, group_size=32, bits=quantize_bits)
     elif quantize_bits:
@@ -129,7 +129,7 @@ def make_random_model(
 def _plant_tie(params: list, tie: tuple, seed: int) -> list:
     """Every router row of one layer = row 0 + eps * its own noise: all gate values of a
     token near-tied, so the top-k is decided at the level of the kernels' rounding."""
-    import mlx.core as mx
+    import mlx.core as mx  # (lazy: loads MLX)
 
     layer, eps = tie
     out = []
@@ -142,6 +142,6 @@ def _plant_tie(params: list, tie: tuple, seed: int) -> list:
 
 
 def _fixture_target() -> Path:
-    from divergence.fixtures import TARGET
+    from divergence.fixtures import TARGET  # (lazy: an installed package's; absent in a bare source tree)
 
     return TARGET

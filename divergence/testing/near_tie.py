@@ -12,6 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..analysis.force_spec import parse_force
+from ..core.request import Request
+from ..trace.reader import Trace
+from ..workloads.runner import RunConfig, run_schedules
+from .models import make_random_model
+
 # router rows = row 0 + eps * noise: from a tie that rarely flips to one a few ulps wide
 NEAR_TIE_SCALES = (1e-6, 1e-7, 3e-8)
 
@@ -34,12 +40,8 @@ def planted_router_pair(directory, layer: int, prompts, *, max_tokens: int = 32,
     shape options) with a near-tied router at `layer`, run serially under native, and that
     run replayed with every step's router on gemm:2. flipped(a, b) -> bool: what counts as
     a flip (default: some routing at `layer` differs)."""
-    from ..analysis.replayer import Replayer, parse_force
-    from ..core.request import Request
-    from ..engine.model.loading import load_model
-    from ..workloads.runner import RunConfig, run_schedules
-    from ..trace.reader import Trace
-    from .models import make_random_model
+    from ..analysis.replayer import Replayer  # (lazy: loads the BLAS)
+    from ..engine.model.loading import load_model  # (lazy: loads MLX)
 
     directory = Path(directory)
     tried = []

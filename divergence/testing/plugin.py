@@ -13,11 +13,15 @@ nor the engine, since pytest loads it in every project of the environment.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from ..errors import DivergenceInputError
+from .assertions import SCRATCH
+from .checker import ReproducibilityChecker, keep_artifacts, run_marker
 from .settings import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_POLICY,
@@ -88,8 +92,6 @@ def _settings(config) -> Settings:
 
 
 def _checker(item):
-    from .checker import ReproducibilityChecker
-
     if CHECKER not in item.stash:
         settings = item.config.stash[SETTINGS]
         base = settings.artifacts
@@ -101,8 +103,6 @@ def _checker(item):
 
 
 def _tempdir() -> str:
-    import tempfile
-
     return tempfile.gettempdir()
 
 
@@ -116,8 +116,6 @@ def divergence_check(request):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     if item.get_closest_marker("reproducible") is not None:
-        from .checker import run_marker
-
         run_marker(item, _checker(item))  # fails the test with the report as its whole message
     return (yield)
 
@@ -128,8 +126,6 @@ def pytest_runtest_makereport(item, call):
     if call.when == "teardown":  # the test's divergence-check-* folders: copied to artifacts if asked, then gone
         _remove_scratch()
     if call.excinfo is not None and report.failed and item.config.stash[SETTINGS].artifacts is not None:
-        from .checker import keep_artifacts
-
         exc = call.excinfo.value
         before = str(exc)
         kept = keep_artifacts(item.config.stash[SETTINGS], item.nodeid, exc)
@@ -142,9 +138,5 @@ def pytest_runtest_makereport(item, call):
 
 
 def _remove_scratch() -> None:
-    import shutil
-
-    from .assertions import SCRATCH
-
     while SCRATCH:
         shutil.rmtree(SCRATCH.pop(), ignore_errors=True)

@@ -2,9 +2,9 @@
 row count M, do calls of M rows compute the probe rows with the same bits as calls
 of one row (engine.kernels.native_classes)?
 
-Row counts with equal signatures fall into one class; the map reads like
-seed 000's table, measured instead of guessed ("q_proj 896x896 bf16: rows 1..5
-one class, 8..128 another"). SDPA is probed over query lengths, and the
+Row counts with equal signatures fall into one class; the map reads as a table,
+measured instead of guessed ("q_proj 896x896 bf16: rows 1..5 one class, 8..128
+another"). SDPA is probed over query lengths, and the
 `attention` kernels over batch sizes, per padding layout (right: the engine's
 `batched`; left: mlx-lm BatchGenerator's) and query rows (decode, verify):
 class 0 = the bits of each sequence alone (`per-seq`).
@@ -21,11 +21,15 @@ from ..engine.kernels import blas as _blas  # noqa: F401  (loads the optimized B
 import mlx.core as mx
 import numpy as np
 
+from ..core.atomic import write_atomic
 from ..engine.model.forward import PackedForward
 from ..engine.kernels.linear import LinearOp
 from ..engine.kernels.bits import raw_bits as _bits
-from ..engine.kernels.native_classes import LAYOUTS, NativeClassProbe
 from ..core.classes import OpProbe, classify
+from ..engine.engine import environment
+from ..engine.kernels.backend_proofs import fingerprint
+from ..engine.kernels.native_classes import LAYOUTS, AttentionClassProbe, NativeClassProbe
+from ..errors import DivergenceInputError
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
 DEFAULT_KV_LENS = (64, 256, 1024)  # KV lengths SDPA is probed at
@@ -64,8 +68,6 @@ def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype, batches: li
     side (right: the engine's `batched`; left: mlx-lm BatchGenerator's; equal: B sequences of
     one length, unmasked, as both call it when nothing needs masking): 0 = every probe
     sequence's output has the bits of that sequence alone (`per-seq`)."""
-    from ..engine.kernels.native_classes import AttentionClassProbe
-
     p = AttentionClassProbe()
     outs = [p.outputs("per-seq", 1, heads, kv_heads, head_dim, queries, dtype)]
     outs += [p.outputs("batched", b, heads, kv_heads, head_dim, queries, dtype, layout=layout) for b in batches]
@@ -73,8 +75,6 @@ def probe_attention(heads: int, kv_heads: int, head_dim: int, dtype, batches: li
 
 
 def cache_key(shape: str, dtype: str, quant, rows) -> str:
-    from ..engine.kernels.backend_proofs import fingerprint
-
     # the backend's fingerprint (device, MLX, BLAS, its core and threads): a map made under
     # one OpenBLAS core is never reused under another
     raw = json.dumps([PROBE_METHOD, fingerprint(), shape, dtype, quant, list(rows)], sort_keys=True)
@@ -134,12 +134,10 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
     if use_cache:
         try:
             cpath.parent.mkdir(parents=True, exist_ok=True)
-            from ..core.atomic import write_atomic
 
             write_atomic(cpath, json.dumps(cache))  # a full disk keeps the old cache, not half of a new one
         except OSError:
             pass
-    from ..engine.engine import environment
 
     return {"model": str(loaded.path), "environment": environment(),
             "ops": [p.to_json() for p in seen.values()] + [p.to_json() for p in sdpa] + [p.to_json() for p in attn]}
@@ -147,8 +145,6 @@ def probe_model(loaded, rows: list[int], *, use_cache: bool = True, kv_lens=DEFA
 
 def parse_rows(text: str, what: str = "--rows") -> list[int]:
     """'1..128' -> every row count from 1 to 128; '1,2,4,8' -> those."""
-    from ..errors import DivergenceInputError
-
     try:
         if ".." in text:
             a, b = text.split("..", 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..core.jsonl import MAX_FILE_BYTES, read_lines
@@ -17,7 +18,7 @@ DEMO_R2_PROMPT = (
     "compare equal. This is helpful for sorting in multiple passes, for example sort by department, then "
     "by salary grade. Return the number of items in a container. If the object"
 )
-# The demo (seed 000): r1 decodes with speculative decoding (k=3: 4 verify rows)
+# The demo: r1 decodes with speculative decoding (k=3: 4 verify rows)
 # when r2's 154-token prompt arrives; one concurrent step packs r2's prefill with
 # r1's verify rows (158 rows: gemm under threshold:4), r2 finishes in that step,
 # and r1 diverges ~120 tokens later from what that step wrote into its cache.
@@ -42,8 +43,6 @@ SAMPLING_KEYS = ("temperature", "top_p", "seed")
 def sampling_defaults(*, temperature=None, top_p=None, seed=None) -> dict:
     """The command line's sampling defaults (--temperature, --top-p, --seed), checked as a prompt
     line's own keys are: {key: value} of those given, for every line that doesn't set its own."""
-    import math
-
     out = {}
     for flag, key, v in (("--temperature", "temperature", temperature), ("--top-p", "top_p", top_p)):
         if v is None:
@@ -101,8 +100,6 @@ def _int(d: dict, key: str, default: int, lo: int, hi: int) -> int:
 
 
 def _number(d: dict, key: str, default: float) -> float:
-    import math
-
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise PromptError(f"{key!r} must be a number, got {_show(v)}")

@@ -2,11 +2,16 @@
 the pytest plugin and sweeps."""
 from __future__ import annotations
 
+import fcntl
+import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.events import Observer
+from ..errors import DivergenceInputError, PromptError, TraceError
+from ..trace.writer import TraceWriter
 
 
 @dataclass
@@ -33,7 +38,7 @@ class RunConfig:
 
 def load_models(cfg: RunConfig):
     """(target, draft or None), from the engine's one per-process model cache."""
-    from ..engine.model.loading import load_cached
+    from ..engine.model.loading import load_cached  # (lazy: loads MLX)
 
     target = load_cached(cfg.model, dtype=cfg.dtype)
     draft = load_cached(cfg.draft, dtype=cfg.dtype) if cfg.draft and cfg.spec_k else None
@@ -42,7 +47,7 @@ def load_models(cfg: RunConfig):
 
 def make_engine(cfg: RunConfig, observers=()):
     """The engine of a run config: Engine.from_settings, models from the shared cache."""
-    from ..engine.engine import Engine
+    from ..engine.engine import Engine  # (lazy: loads MLX)
 
     return Engine.from_settings(cfg.settings(), model_dir=cfg.model, draft_dir=cfg.draft if cfg.spec_k else None,
                                 observers=observers, tp=_tp_group(cfg))
@@ -51,7 +56,7 @@ def make_engine(cfg: RunConfig, observers=()):
 def _tp_group(cfg: RunConfig):
     if cfg.tp <= 1:
         return None
-    from ..parallel.group import current
+    from ..parallel.group import current  # (lazy: loads MLX)
 
     return current()  # joined by the CLI (parallel/ranks.py) before the command ran
 
@@ -60,9 +65,9 @@ class _Progress(Observer):
     """A progress bar over generated tokens, on stderr."""
 
     def __init__(self, label: str, total: int):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+        # (lazy: loads rich, only for a progress bar)
         from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.progress = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("tokens"), TimeElapsedColumn(),
@@ -88,8 +93,6 @@ def _on_tty() -> bool:
 
 def validate(engine, requests) -> None:
     """Refuse bad requests (token ids, context length) before anything is written."""
-    from ..errors import PromptError
-
     vocab = getattr(engine, "vocab", None)
     if vocab and engine.top_k > vocab:
         raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({vocab} tokens)")
@@ -101,11 +104,8 @@ def validate(engine, requests) -> None:
 
 def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *, progress: bool = False):
     """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}."""
-    from ..trace.writer import TraceWriter
-
     engine = make_engine(cfg)
     validate(engine, requests)
-    from ..errors import DivergenceInputError, TraceError
 
     out_dir = Path(out_dir)
     try:
@@ -114,7 +114,7 @@ def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *
         raise DivergenceInputError(f"cannot create --out {out_dir}: {e.strerror or e}") from None
     results = {}
     if engine.tp is not None and not engine.tp.writes:  # tensor parallel: only rank 0 writes
-        from ..parallel.group import Mirror
+        from ..parallel.group import Mirror  # (lazy: loads MLX)
 
         for schedule in schedules:
             engine.observers = [Mirror(cfg.kv_hashes)]
@@ -149,20 +149,12 @@ LOCK_NAME = ".divergence-run.lock"
 def partial_name(path: Path) -> Path:
     """Where a run writes `<schedule>.h5` until it is complete: `<schedule>.<pid>-<random>.h5.partial`
     (unique per process; a failed run's partial traces are `*.h5.partial`)."""
-    import os
-    import secrets
-
     return path.with_name(f"{path.stem}.{os.getpid()}-{secrets.token_hex(4)}{path.suffix}.partial")
 
 
 def _lock(out_dir: Path):
     """Hold out_dir/.divergence-run.lock (flock, released when the process ends however it ends);
     a directory another run holds is refused with one line."""
-    import fcntl
-    import os
-
-    from ..errors import DivergenceInputError
-
     path = out_dir / LOCK_NAME
     while True:
         try:
@@ -193,8 +185,6 @@ def _lock(out_dir: Path):
 
 
 def _unlock(lock) -> None:
-    import os
-
     fd, path = lock
     try:
         path.unlink(missing_ok=True)  # while still held: the next run creates and locks a new one
