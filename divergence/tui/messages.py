@@ -8,8 +8,8 @@ from textual.widget import Widget
 
 
 @dataclass
-class RowHighlighted(Message):
-    """A VirtualTable's cursor moved to `row`."""
+class TableRowMessage(Message):
+    """Something happened at a VirtualTable's `row` (the table is the message's control)."""
 
     table: Widget
     row: int
@@ -20,15 +20,13 @@ class RowHighlighted(Message):
 
 
 @dataclass
-class RowSelected(Message):
+class RowHighlighted(TableRowMessage):
+    """A VirtualTable's cursor moved to `row`."""
+
+
+@dataclass
+class RowSelected(TableRowMessage):
     """Enter (or a click on the cursor row) on a VirtualTable's `row`."""
-
-    table: Widget
-    row: int
-
-    @property
-    def control(self) -> Widget:
-        return self.table
 
 
 @dataclass
