@@ -267,7 +267,7 @@ class Trace:
     def _commit(self) -> dict:
         if S.COMMIT in self.f:
             return read_commit(self.f, refresh=self.swmr)[1]
-        # schema-2 files of the first days had no commit record: whole datasets, steps written last
+        # schema-2 files written without a commit record: whole datasets, steps written last
         sizes = {}
         for name in ("steps", *S.TABLES):
             if name in self.f and isinstance(self.f[name], h5py.Dataset):
