@@ -1,11 +1,15 @@
 """`divergence serve`: an OpenAI-compatible HTTP server on this engine, every step recorded."""
 from __future__ import annotations
 
+import signal
+import socket
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import PromptError
 from .common import add_model_args, default_model_dirs
+from .paths import check_output_dir
 
 HELP = ("serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this engine, "
         "recording every step of the real traffic into a trace")
@@ -36,7 +40,7 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..engine.kernels.dispatch import KernelPolicy
+    from ..engine.kernels.dispatch import KernelPolicy  # (lazy: loads MLX; the parser imports every command)
 
     KernelPolicy.parse(args.policy)
     for flag, v, lo in (("--port", args.port, 0), ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 1),
@@ -48,11 +52,9 @@ def main(args) -> int:
             raise PromptError(f"{flag} must be > 0, got {v}")
     spec_k = args.spec_k if args.spec_k is not None else (3 if args.draft else 0)
     target_dir, draft_dir = default_model_dirs()
-    from .paths import check_output_dir
-
     check_output_dir(args.trace_dir, flag="--trace-dir")
-    from ..engine.engine import Engine
-    from ..workloads.runner import RunConfig
+    from ..engine.engine import Engine  # (lazy: loads MLX; the parser imports every command)
+    from ..workloads.runner import RunConfig  # (lazy: loads numpy and h5py; the parser imports every command)
 
     cfg = RunConfig(model=args.model or target_dir, draft=(args.draft or draft_dir) if spec_k else None,
                     dtype=args.dtype, policy=args.policy, spec_k=spec_k, token_budget=args.token_budget,
@@ -65,12 +67,10 @@ def main(args) -> int:
 
 
 def serve(engine, args, *, model_id: str) -> int:
-    import socket
+    import uvicorn  # (lazy: the HTTP stack, only to serve; the parser imports every command)
 
-    import uvicorn
-
-    from ..serve.app import Server
-    from ..serve.worker import EngineWorker
+    from ..serve.app import Server  # (lazy: loads starlette and MLX; the parser imports every command)
+    from ..serve.worker import EngineWorker  # (lazy: loads MLX and h5py; the parser imports every command)
 
     try:  # a port in use is one line, before the engine starts
         sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
@@ -106,9 +106,6 @@ def serve(engine, args, *, model_id: str) -> int:
 
     def on_signal(sig, frame) -> None:
         http.should_exit = True
-
-    import signal
-    import threading
 
     before = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     t = threading.Thread(target=http_thread, name="divergence-http", daemon=True)

@@ -6,7 +6,6 @@ import math
 import numpy as np
 
 
-
 def plain_chat(messages: list[dict]) -> str:
     """Where a tokenizer has no chat template (the embedded fixture's): each message on its
     own line as 'role: content', then the assistant's turn."""

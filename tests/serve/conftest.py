@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from divergence.cli.common import default_model_dirs
+from divergence.trace.reader import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET, DRAFT = default_model_dirs()
@@ -109,6 +110,4 @@ def divergence(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 
 def trace_of(path: Path):
-    from divergence.trace.reader import Trace
-
     return Trace.open(path)

@@ -8,6 +8,9 @@ import httpx
 import openai
 import pytest
 
+from divergence.engine.model.loading import load_cached
+from divergence.serve.text import chat_prompt
+
 from .conftest import TARGET, trace_of
 
 PROMPT = "def add(a, b):\n    "
@@ -15,8 +18,6 @@ PROMPT = "def add(a, b):\n    "
 
 @pytest.fixture(scope="module")
 def model():
-    from divergence.engine.model.loading import load_cached
-
     return load_cached(TARGET)
 
 
@@ -67,8 +68,6 @@ def test_streamed_completion_joins_to_the_traces_text(demo_server, client, model
 
 
 def test_chat_uses_the_template_and_is_the_traces_tokens(demo_server, client, model):
-    from divergence.serve.text import chat_prompt
-
     messages = [{"role": "user", "content": "Return the sum."}]
     r = client.chat.completions.create(model="target", messages=messages, max_tokens=10)
     prompt, tokens, _, _ = recorded(demo_server, r.id)

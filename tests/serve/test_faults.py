@@ -8,6 +8,8 @@ import time
 import httpx
 import openai
 
+from divergence.engine.model.loading import load_cached
+
 from .conftest import TARGET, divergence, trace_of
 
 PROMPT = "def add(a, b):\n    "
@@ -46,8 +48,6 @@ def test_a_client_that_leaves_mid_stream_cancels_and_frees_its_blocks(serve):
 
 
 def test_sigkill_leaves_a_trace_that_opens_with_every_finished_request(serve, tmp_path):
-    from divergence.engine.model.loading import load_cached
-
     s = serve()
     client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=120)
     answers = [client.completions.create(model="target", prompt=PROMPT * n, max_tokens=10) for n in (1, 2, 3)]
