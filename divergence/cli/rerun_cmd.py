@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 
 from ..core.names import BASE_SCHEDULES, SERIAL
+from ..errors import PromptError
+from .paths import check_output_dir
 
 HELP = "re-run the requests of a live trace (divergence serve) under another schedule: the reference trace"
 
@@ -12,18 +14,16 @@ def add_arguments(p) -> None:
     p.add_argument("live", metavar="LIVE.h5", help="a trace that divergence serve wrote")
     p.add_argument("--schedule", default=SERIAL, choices=BASE_SCHEDULES,
                    help="the schedule of the re-run")
-    p.add_argument("--requests", metavar="ID,...", help="re-run only these requests (the others are recorded as "
-                   "not run: diff then reports them missing)")
+    p.add_argument("--requests", metavar="ID,...", help="re-run only these requests; the others are recorded "
+                   "as not run, so diff and bisect report them missing (exit 1) and compare these as usual")
     p.add_argument("--out", metavar="DIR", required=True, help="a directory: SCHEDULE.h5 goes there")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
 
 
 def main(args) -> int:
-    from ..errors import PromptError
-    from ..serve.rerun import rerun
-    from ..trace.reader import Trace
-    from .paths import check_output_dir
+    from ..serve.rerun import NOT_CHOSEN, rerun  # (lazy: loads MLX; the parser imports every command)
+    from ..trace.reader import Trace  # (lazy: loads numpy and h5py; the parser imports every command)
 
     Trace.open(args.live).close()  # not a trace: one line, before anything loads
     check_output_dir(args.out, files=[f"{args.schedule}.h5"], inputs=[args.live])
@@ -39,5 +39,11 @@ def main(args) -> int:
           f"({result.target_steps} target), {result.seconds:.1f} s -> {path}")
     for rid, why in list(skipped.items())[:10]:
         print(f"  left out {rid}: {why}", file=sys.stderr)
+    missing = [rid for rid, why in skipped.items() if why == NOT_CHOSEN]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        print(f"note: diff and bisect compare every request of the live trace: the {len(missing)} not re-run "
+              f"({shown}) show as missing and the exit status is 1 even where the {ran} re-run are identical; "
+              f"their lines (or --json's 'requests') are the comparison")
     print(f"next: divergence bisect {path} {args.live} --confirm")
     return 0

@@ -14,10 +14,15 @@ import numpy as np
 
 from ..core.names import CONCURRENT, SERIAL
 from ..core.request import Request
+from ..engine.engine import Engine
 from ..engine.run import Run
 from ..errors import DivergenceInputError, PromptError
+from ..trace.reader import Trace
+from ..trace.writer import TraceWriter
+from ..workloads.runner import partial_name
 
 RERUN_SCHEDULES = (SERIAL, CONCURRENT)
+NOT_CHOSEN = "not in --requests"  # a left-out request that had tokens live: diff reports it missing
 
 
 def recorded_requests(live) -> list[Request]:
@@ -47,7 +52,7 @@ def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], di
     for r in recorded:
         n = lengths[r.id]
         if request_ids is not None and r.id not in request_ids:
-            skipped[r.id] = "not in --requests"
+            skipped[r.id] = NOT_CHOSEN
         elif n == 0:
             skipped[r.id] = "the live request got no token (cancelled before its first)"
         else:
@@ -59,11 +64,6 @@ def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], di
 
 def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model_dir=None, draft_dir=None):
     """Write out_dir/<schedule>.h5; returns (its path, RunResult, skipped ids -> why)."""
-    from ..engine.engine import Engine
-    from ..workloads.runner import partial_name
-    from ..trace.reader import Trace
-    from ..trace.writer import TraceWriter
-
     if schedule not in RERUN_SCHEDULES:
         raise PromptError(f"--schedule {schedule!r}: expected {' or '.join(RERUN_SCHEDULES)}")
     with Trace.open(live_path) as live:
@@ -87,7 +87,8 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
     try:
         with TraceWriter(tmp, top_k=engine.top_k, kv_hashes=kv_hashes) as writer:
             engine.observers = [writer]
-            run = CappedRun(engine, [by_id.get(r.id, r) for r in recorded], schedule, recorded, skipped)
+            run = CappedRun(engine, [by_id.get(r.id, r) for r in recorded], schedule, recorded, skipped,
+                            of={"live": str(live_path), "requests": [r.id for r in requests] if request_ids else None})
             result = run.execute()
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -100,11 +101,15 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
 
 class CappedRun(Run):
     """Runs each request to its live length; the trace records the requests as recorded
-    (max_tokens as the client asked), so the pair compares request for request."""
+    (max_tokens as the client asked), so the pair compares request for request. Its
+    settings name what it re-ran ("rerun": the live trace, and the ids re-run where
+    --requests chose some, else None: all)."""
 
-    def __init__(self, engine, requests, schedule, recorded, skipped):
+    def __init__(self, engine, requests, schedule, recorded, skipped, *, of: dict):
         super().__init__(engine, requests, schedule, bad=skipped)
         self._recorded = list(recorded)
+        self._of = dict(of)
 
     def info(self):
-        return replace(super().info(), requests=self._recorded)
+        info = super().info()
+        return replace(info, requests=self._recorded, settings={**info.settings, "rerun": self._of})

@@ -9,6 +9,8 @@ import time
 
 import openai
 
+from divergence.engine.model.loading import load_cached
+
 from .conftest import DRAFT, TARGET, divergence, trace_of
 
 PROMPTS = ["def add(a, b):\n    ", "Return the number of", "class Stack:\n    \"\"\"", "import os\nimport",
@@ -41,8 +43,6 @@ async def _load(base_url: str, clients: int, per_client: int, max_tokens: int) -
 
 
 def test_16_clients_each_answer_is_the_traces_and_serial_rerun_is_identical(serve, tmp_path):
-    from divergence.engine.model.loading import load_cached
-
     s = serve()
     t0 = time.monotonic()
     answers = asyncio.run(_load(s.base_url, CLIENTS, PER_CLIENT, max_tokens=12))
@@ -104,10 +104,19 @@ def test_rerun_of_some_requests_and_bad_input(serve, tmp_path):
     [live] = s.traces()
     r = divergence("rerun", str(live), "--requests", ids[1], "--out", str(tmp_path / "one"))
     assert r.returncode == 0, r.stderr
-    with trace_of(tmp_path / "one" / "serial.h5") as a, trace_of(live) as b:
+    one = tmp_path / "one" / "serial.h5"
+    with trace_of(one) as a, trace_of(live) as b:
         assert [q.id for q in a.requests] == [q.id for q in b.requests]  # comparable, request for request
         assert a.tokens(ids[1]).tokens.tolist() == b.tokens(ids[1]).tokens.tolist()
         assert len(a.tokens(ids[0]).tokens) == 0  # not re-run
+        assert a.meta["settings"]["rerun"] == {"live": str(live), "requests": [ids[1]]}
+    # what the command says diff will say, diff says: the 2 left out missing, the re-run one identical
+    note = [line for line in r.stdout.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and "2 not re-run" in note[0] and ids[0] in note[0] and "missing" in note[0], r.stdout
+    d = divergence("diff", str(one), str(live), "--json")
+    assert d.returncode == 1, d.stdout + d.stderr
+    status = {q["id"]: q["status"] for q in json.loads(d.stdout)["requests"]}
+    assert status == {ids[0]: "missing", ids[1]: "identical", ids[2]: "missing"}
     bad = divergence("rerun", str(live), "--requests", "cmpl-nope", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "cmpl-nope" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     notrace = tmp_path / "not.h5"
