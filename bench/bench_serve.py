@@ -80,7 +80,7 @@ class Server:
 
     def wait_ready(self) -> float:
         t0 = time.monotonic()
-        while time.monotonic() - t0 < START_TIMEOUT_S:
+        while time.monotonic() - t0 < START_TIMEOUT_S:  # /health: 200 once the model is loaded (and the trace open)
             if self.proc.poll() is not None:
                 raise SystemExit(f"{self.name} ({self.mode}) exited {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
@@ -182,6 +182,8 @@ async def load(srv: Server, prompts: list[str], max_tokens: int, concurrency: in
 
 METRICS = ("requests_per_s", "tokens_per_s", "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s")
 BETTER = {"requests_per_s": "higher", "tokens_per_s": "higher"}
+LABELS = {"requests_per_s": "requests/s", "tokens_per_s": "tokens/s", "latency_p50_s": "latency p50 (s)",
+          "latency_p99_s": "latency p99 (s)", "ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)"}
 
 
 def main() -> int:
@@ -198,6 +200,7 @@ def main() -> int:
     ap.add_argument("--modes", default="plain,draft", help="plain, draft or both")
     ap.add_argument("--out", help="the JSON file (default: bench/results/serve.json; --quick: a temp dir)")
     args = ap.parse_args()
+    t_start = time.monotonic()
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.max_prompt = args.max_prompt or (64 if args.quick else 256)
     args.reps = args.reps or (3 if args.quick else 5)
@@ -239,17 +242,17 @@ def main() -> int:
                       f"{r['ttft_p50_s']:.3f} s", flush=True)
     finally:
         codes = {f"{s.name}/{s.mode}": s.stop() for s in all_srv}
-    return report(args, modes, results, startup, codes, work, target, draft)
+    return report(args, modes, results, startup, codes, work, target, draft, time.monotonic() - t_start)
 
 
-def report(args, modes, results, startup, codes, work, target, draft) -> int:
+def report(args, modes, results, startup, codes, work, target, draft, elapsed: float) -> int:
     rows, out = [], []
     for mode in modes:
         d, m = results[("divergence", mode)], results[("mlx-lm", mode)]
         same_tokens = all(a["per_request_tokens"] == b["per_request_tokens"] for a, b in zip(d, m))
         same_prompts = all(a["prompt_tokens"] == b["prompt_tokens"] for a, b in zip(d, m))
         same_text = sum(x == y for a, b in zip(d, m) for x, y in zip(a["texts"], b["texts"]))
-        entry = {"mode": mode, "ratios": {}, "divergence": {}, "mlx_lm": {}, "same_token_counts": same_tokens,
+        entry = {"mode": mode, "ratios": {}, "ratio_per_rep": {}, "divergence": {}, "mlx_lm": {}, "same_token_counts": same_tokens,
                  "same_prompt_tokens": same_prompts, "same_text": f"{same_text}/{args.requests * args.reps}",
                  "cached_prompt_tokens": {"divergence": sum(a["cached_tokens"] for a in d),
                                           "mlx_lm": sum(b["cached_tokens"] for b in m)},
@@ -259,13 +262,15 @@ def report(args, modes, results, startup, codes, work, target, draft) -> int:
             entry["ratios"][k] = ratio
             entry["divergence"][k] = C.summary([a[k] for a in d])
             entry["mlx_lm"][k] = C.summary([b[k] for b in m])
-            rows.append([mode, k.replace("_s", " (s)").replace("_per_", "/"), BETTER.get(k, "lower"),
-                         C.fmt(entry["mlx_lm"][k]["median"], 3), C.fmt(entry["divergence"][k]["median"], 3),
-                         f"{C.fmt(ratio)}x"])
+            per_rep = [a[k] / b[k] for a, b in zip(d, m) if b[k]]
+            entry["ratio_per_rep"][k] = per_rep
+            rows.append([mode, LABELS[k], BETTER.get(k, "lower"), C.fmt(entry["mlx_lm"][k]["median"], 3),
+                         C.fmt(entry["divergence"][k]["median"], 3), f"{C.fmt(ratio)}x",
+                         f"{C.fmt(min(per_rep))}-{C.fmt(max(per_rep))}" if per_rep else "-"])
         entry["meets_goal"] = (entry["ratios"]["tokens_per_s"] or 0) >= GOAL[mode]
         out.append(entry)
-    print()
-    print(C.table(rows, ["mode", "metric", "better", "mlx-lm", "divergence", "div/mlx"]))
+    print(f"\nmedians over {args.reps} reps; div/mlx: median of the per-rep ratios (their range: per rep)")
+    print(C.table(rows, ["mode", "metric", "better", "mlx-lm", "divergence", "div/mlx", "per rep"]))
     for e in out:
         print(f"  {e['mode']}: tokens per request equal on both sides: {C.fmt(e['same_token_counts'])}; prompt "
               f"tokens equal: {C.fmt(e['same_prompt_tokens'])}; same text {e['same_text']}; prompt-cache hits "
@@ -280,9 +285,10 @@ def report(args, modes, results, startup, codes, work, target, draft) -> int:
             "load": {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                      "prompt_tokens": [args.min_prompt, args.max_prompt], "reps": args.reps, "temperature": 0,
                      "stream": True, "spec_k": SPEC_K},
-            "startup_s": startup, "exit_codes": codes, "divergence_traces": traces, "results": out,
+            "elapsed_s": round(elapsed, 1), "startup_s": startup, "exit_codes": codes, "divergence_traces": traces, "results": out,
             "samples": {f"{n}/{m}": r for (n, m), r in results.items()}}
     C.write_json(C.out_path("serve", args.quick, args.out), data)
+    print(f"[bench] {elapsed:.0f} s in all")
     return 0
 
 
