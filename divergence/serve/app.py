@@ -58,22 +58,22 @@ class Generation:
         self.detok = Detokenizer(server.engine.decode, parsed.stop)
         self.logprobs: list[tuple[int, float, list]] = []  # (token, logprob, top)
         self.finish: str | None = None
+        self.tokens = 0  # generated so far (usage), the end-of-text that ended it included
+        e = server.engine
+        self.silent = e.eos_ids if e.stop_at_eos else set()  # a stop token has no text (as mlx_lm.server)
 
     def add(self, event) -> str:
         if self.detok.stopped:
             return ""
-        delta = self.detok.add(event.token)
+        self.tokens += 1
+        delta = "" if int(event.token) in self.silent else self.detok.add(event.token)
         if self.p.logprobs is not None:
             lp, top = token_logprobs(event, self.p.sampling.temperature)
             self.logprobs.append((int(event.token), lp, top[: self.p.logprobs]))
         return delta
 
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.detok.tokens)
-
     def usage(self) -> dict:
-        n = self.completion_tokens
+        n = self.tokens
         return {"prompt_tokens": self.prompt_len, "completion_tokens": n, "total_tokens": self.prompt_len + n}
 
     def logprobs_json(self, entries) -> dict | None:

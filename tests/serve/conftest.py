@@ -109,5 +109,13 @@ def divergence(*args: str, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=600)
 
 
+def answer(model, tokens) -> str:
+    """The text a response carries for these generated tokens: an end-of-text that ended
+    them has none."""
+    tokens = list(tokens)
+    eos = set(getattr(model.tokenizer, "eos_token_ids", None) or [])
+    return model.decode(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
+
+
 def trace_of(path: Path):
     return Trace.open(path)

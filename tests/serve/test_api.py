@@ -11,9 +11,10 @@ import pytest
 from divergence.engine.model.loading import load_cached
 from divergence.serve.text import chat_prompt
 
-from .conftest import TARGET, trace_of
+from .conftest import TARGET, answer, trace_of
 
 PROMPT = "def add(a, b):\n    "
+STOP_PROMPT = "The quick brown"  # 24 tokens of text before any end-of-text
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def test_completion_is_the_traces_tokens(demo_server, client, model):
     prompt, tokens, kinds, req = recorded(demo_server, r.id)
     assert prompt == list(model.encode(PROMPT))
     assert len(tokens) == r.usage.completion_tokens and 0 < len(tokens) <= 12
-    assert r.choices[0].text == model.decode(tokens)
+    assert r.choices[0].text == answer(model, tokens)
     assert kinds == ["arrived", "finished"]
     assert (req.max_tokens, req.sampling.temperature, req.sampling.seed) == (12, 0.0, 5)
 
@@ -58,12 +59,26 @@ def test_the_response_names_its_request_in_a_header_too(demo_server):
     assert r.headers["x-divergence-trace"] == str(demo_server.traces()[0])
 
 
+def test_the_end_of_text_that_ends_a_request_is_counted_not_sent(demo_server, client, model):
+    eos = set(model.tokenizer.eos_token_ids)
+    for stream in (False, True):
+        r = client.completions.create(model="target", prompt="Return the number of", max_tokens=48, stream=stream,
+                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        chunks = list(r) if stream else [r]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        _, tokens, _, _ = recorded(demo_server, chunks[0].id)
+        assert len(tokens) < 48 and tokens[-1] in eos  # this prompt ends at end-of-text
+        assert text == model.decode(tokens[:-1]) and model.decode(tokens[-1:]) not in text
+        assert chunks[-1].usage.completion_tokens == len(tokens)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_streamed_completion_joins_to_the_traces_text(demo_server, client, model):
     chunks = list(client.completions.create(model="target", prompt=PROMPT, max_tokens=16, stream=True))
     text = "".join(c.choices[0].text for c in chunks)
     assert len({c.id for c in chunks}) == 1
     _, tokens, _, _ = recorded(demo_server, chunks[0].id)
-    assert text == model.decode(tokens)
+    assert text == answer(model, tokens)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
@@ -74,7 +89,7 @@ def test_chat_uses_the_template_and_is_the_traces_tokens(demo_server, client, mo
     assert r.id.startswith("chatcmpl-")
     assert prompt == chat_prompt(model, messages)
     assert r.choices[0].message.role == "assistant"
-    assert r.choices[0].message.content == model.decode(tokens)
+    assert r.choices[0].message.content == answer(model, tokens)
 
 
 def test_streamed_chat(demo_server, client, model):
@@ -83,7 +98,7 @@ def test_streamed_chat(demo_server, client, model):
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     _, tokens, _, _ = recorded(demo_server, chunks[0].id)
-    assert text == model.decode(tokens)
+    assert text == answer(model, tokens)
     assert chunks[-1].usage.completion_tokens == len(tokens)
 
 
@@ -111,11 +126,11 @@ def test_logprobs_come_from_the_recorded_top_k(demo_server, client):
 
 
 def test_stop_string_ends_the_text_and_the_request(demo_server, client, model):
-    free = client.completions.create(model="target", prompt=PROMPT, max_tokens=24)
+    free = client.completions.create(model="target", prompt=STOP_PROMPT, max_tokens=24)
     text = free.choices[0].text
     stop = text[len(text) // 2: len(text) // 2 + 2]
     assert stop.strip(), text
-    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=24, stop=[stop])
+    r = client.completions.create(model="target", prompt=STOP_PROMPT, max_tokens=24, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.index(stop)]
     _, tokens, kinds, _ = recorded(demo_server, r.id)

@@ -10,7 +10,7 @@ import openai
 
 from divergence.engine.model.loading import load_cached
 
-from .conftest import TARGET, divergence, trace_of
+from .conftest import TARGET, answer, divergence, trace_of
 
 PROMPT = "def add(a, b):\n    "
 
@@ -58,7 +58,7 @@ def test_sigkill_leaves_a_trace_that_opens_with_every_finished_request(serve, tm
         assert not t.completed
         assert [r.id for r in t.requests] == [a.id for a in answers]
         for a in answers:
-            assert a.choices[0].text == model.decode(t.tokens(a.id).tokens.tolist())
+            assert a.choices[0].text == answer(model, t.tokens(a.id).tokens.tolist())
     r = divergence("rerun", str(path), "--out", str(tmp_path / "ref"))
     assert r.returncode == 0, r.stderr
     d = divergence("diff", str(tmp_path / "ref" / "serial.h5"), str(path), "--json")

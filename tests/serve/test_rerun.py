@@ -11,7 +11,7 @@ import openai
 
 from divergence.engine.model.loading import load_cached
 
-from .conftest import DRAFT, TARGET, divergence, trace_of
+from .conftest import DRAFT, TARGET, answer, divergence, trace_of
 
 PROMPTS = ["def add(a, b):\n    ", "Return the number of", "class Stack:\n    \"\"\"", "import os\nimport",
            "The quick brown", "    for i in range(", "def __init__(self", "Raise ValueError if"]
@@ -55,7 +55,7 @@ def test_16_clients_each_answer_is_the_traces_and_serial_rerun_is_identical(serv
         assert t.completed
         assert len(t.requests) == len(answers)
         for rid, text in answers:
-            assert text == model.decode(t.tokens(rid).tokens.tolist()), rid
+            assert text == answer(model, t.tokens(rid).tokens.tolist()), rid
         batched = max(int(n) for n in t.steps["slice_count"])
     assert batched > 1  # the clients' requests really were batched together
     r = divergence("rerun", str(live), "--schedule", "serial", "--out", str(tmp_path / "ref"))
