@@ -37,13 +37,18 @@ def main(args) -> int:
     ran = len(result.outputs) - len(skipped)
     print(f"{args.schedule:<11} {ran} requests, {result.generated_tokens} tokens, {result.steps} steps "
           f"({result.target_steps} target), {result.seconds:.1f} s -> {path}")
-    for rid, why in list(skipped.items())[:10]:
-        print(f"  left out {rid}: {why}", file=sys.stderr)
     missing = [rid for rid, why in skipped.items() if why == NOT_CHOSEN]
+    for rid, why in [(r, w) for r, w in skipped.items() if w != NOT_CHOSEN][:10]:
+        print(f"  left out {rid}: {why}", file=sys.stderr)
     if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        chosen = [rid for rid in result.outputs if rid not in skipped]
         print(f"note: diff and bisect compare every request of the live trace: the {len(missing)} not re-run "
-              f"({shown}) show as missing and the exit status is 1 even where the {ran} re-run are identical; "
-              f"their lines (or --json's 'requests') are the comparison")
+              f"({_some(missing)}) show as missing, so they exit 1 even where the re-run "
+              f"{'one is' if len(chosen) == 1 else 'ones are'} identical; read the lines of {_some(chosen)} "
+              f"(--json: those ids' entries in 'requests')")
     print(f"next: divergence bisect {path} {args.live} --confirm")
     return 0
+
+
+def _some(ids: list[str]) -> str:
+    return ", ".join(ids[:3]) + (f" and {len(ids) - 3} more" if len(ids) > 3 else "")
