@@ -4,12 +4,17 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..errors import PromptError
+from ..core.rules import at_least_one, schedules as parse_schedules
+from ..errors import DivergenceInputError, PromptError
+from ..parallel.env import is_writer
+from ..parallel.ranks import tp_degree
+from ..workloads.prompts import builtin_requests, load_prompts, sampling_defaults
 from .common import add_model_args, default_model_dirs, emit_json
+from .paths import check_output_dir
 
 HELP = "run requests under serial and concurrent schedules and record a trace of each"
 DEMO_POLICY = "threshold:4"
-DEMO_SPEC_K = 3  # verify = 4 rows: alone it runs gemv under threshold:4, as in seed 000
+DEMO_SPEC_K = 3  # verify = 4 rows: alone they run gemv under threshold:4, batched with a prefill gemm
 
 
 def add_arguments(p) -> None:
@@ -50,40 +55,26 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
+    # (lazy: the parser imports every command; numpy, h5py, the BLAS and MLX load only to run one)
     from ..analysis.diff import diff_traces
-    from ..engine.kernels.dispatch import KernelPolicy
-    from ..core.names import SCHEDULES
-    from ..workloads.prompts import builtin_requests, load_prompts
-    from ..workloads.runner import RunConfig, load_models, run_schedules
-    from ..parallel.env import is_writer
-    from ..parallel.ranks import tp_degree
-    from ..trace.reader import Trace
-
     from ..engine.kernels.blas import blas_problem
-    from ..errors import DivergenceInputError
+    from ..engine.kernels.dispatch import KernelPolicy
+    from ..trace.reader import Trace
+    from ..workloads.runner import RunConfig, load_models, run_schedules
 
     if blas_problem():  # DIVERGENCE_BLAS names nothing loadable: say so, don't run on another BLAS
         raise DivergenceInputError(blas_problem())
     demo = args.model is None
-    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
-    for s in schedules:
-        if s not in SCHEDULES:
-            raise PromptError(f"unknown schedule {s!r} (expected serial, concurrent or warm)")
-    if len(set(schedules)) != len(schedules) or not schedules:
-        raise PromptError("--schedules needs distinct schedule names")
-    from .paths import check_output_dir
+    schedules = parse_schedules(args.schedules)
 
     check_output_dir(args.out, files=[f"{s}.h5" for s in schedules], inputs=[args.prompts] if args.prompts else ())
     policy = args.policy or (DEMO_POLICY if demo and args.policy is None else "native")
     KernelPolicy.parse(policy)
     spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
-    if args.top_k < 1:
-        raise PromptError("--top-k must be >= 1")
-    from ..workloads.prompts import sampling_defaults
-
+    at_least_one("--top-k", args.top_k)
     sampling = sampling_defaults(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise PromptError("--max-tokens must be >= 1")
+    if args.max_tokens is not None:
+        at_least_one("--max-tokens", args.max_tokens)
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
@@ -98,28 +89,28 @@ def main(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise PromptError(f"--out {out} exists and is not a directory")
-    from ..workloads.runner import make_engine, validate
+    from ..workloads.runner import make_engine, validate  # (lazy: loads numpy and h5py)
 
     validate(make_engine(cfg), requests)
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    from ..engine.kernels.blas import blas_in_use, blas_threads as blas_threads_now
+    from ..engine.kernels.blas import blas_in_use, blas_threads as blas_threads_now  # (lazy: loads the BLAS)
 
     say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
         + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
     blas_threads = check_blas_request(args)
-    from ..engine.kernels.blas import blas_core
+    from ..engine.kernels.blas import blas_core  # (lazy: loads the BLAS)
 
     core = blas_core()
     say(f"BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads or blas_threads_now()} threads" if core else ""))
     if cfg.tp > 1:
-        from ..parallel.group import current
+        from ..parallel.group import current  # (lazy: loads MLX)
 
         t = current()
         say(f"tensor parallel: {t.size} ranks over {t.backend} ({t.launcher}); rank 0 writes the traces")
     if demo and args.policy is None:
         say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
             "on a CPU whose own kernels are batch-invariant")
-    from ..engine.kernels.blas import using_blas_threads
+    from ..engine.kernels.blas import using_blas_threads  # (lazy: loads the BLAS)
 
     with using_blas_threads(blas_threads):
         results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
@@ -168,13 +159,13 @@ def main(args) -> int:
 def check_blas_request(args) -> int | None:
     """--blas-core / --blas-threads, once the BLAS has loaded (cli/reexec.py set the core
     before it did): the core OpenBLAS runs must be the one asked for. The thread count."""
-    from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads
+    from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads  # (lazy: loads the BLAS)
 
     if (args.blas_core or args.blas_threads) and blas_threads() is None:
         raise PromptError(f"--blas-core / --blas-threads set OpenBLAS, and this run uses {blas_in_use()}")
     if args.blas_core and (blas_core() or "").lower() != args.blas_core.lower():
         raise PromptError(f"--blas-core {args.blas_core}: OpenBLAS runs core {blas_core()} (a DYNAMIC_ARCH build "
                           f"takes OPENBLAS_CORETYPE; this one did not)")
-    if args.blas_threads is not None and args.blas_threads < 1:
-        raise PromptError("--blas-threads must be >= 1")
+    if args.blas_threads is not None:
+        at_least_one("--blas-threads", args.blas_threads)
     return args.blas_threads

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from ..core.rules import at_least_one
+from ..errors import PromptError
 from .common import add_model_args, default_model_dirs, emit_json
 
 HELP = ("run one prompt (greedy) N times, each inside a random batch of other prompts, and count how many "
@@ -23,16 +25,13 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    from ..errors import PromptError
+    # (lazy: loads numpy and h5py; the parser imports every command)
     from ..workloads.runner import RunConfig, load_models, make_engine
-    from ..workloads.sweep import sweep
-
-    from ..workloads.sweep import MAX_BATCH
+    from ..workloads.sweep import MAX_BATCH, sweep
 
     if not 1 <= args.max_batch <= MAX_BATCH:
         raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")
-    if args.max_tokens < 1:
-        raise PromptError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    at_least_one("--max-tokens", args.max_tokens)
     if args.n < 1:
         raise PromptError("sweep needs at least one run (-n >= 1)")
     target_dir, _ = default_model_dirs()
@@ -41,7 +40,7 @@ def main(args) -> int:
     target, _ = load_models(cfg)
     engine = make_engine(cfg)
 
-    from .progress import on_tty
+    from .progress import on_tty  # (lazy: loads numpy; the parser imports every command)
 
     tty = on_tty() and not args.json  # progress belongs on a terminal: a pipe gets no \r
 

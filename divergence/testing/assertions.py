@@ -13,7 +13,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..core.names import BASE_SCHEDULES, SCHEDULES
+from ..core.names import BASE_SCHEDULES
+from ..core.request import Request
+from ..core.rules import at_least_one, schedules as parse_schedules
 from ..errors import DivergenceInputError, ModelLoadError, PolicyError, PromptError
 from .failure import Comparison, RunSummary, failure_text
 from .settings import DEFAULT_MAX_TOKENS, DEFAULT_POLICY, DEFAULT_TOP_K, check_policy
@@ -43,7 +45,7 @@ def assert_traces_equal(a, b, *, confirm: bool = False, model=None, draft=None, 
     from the KV hashes; with `confirm`, replayed to prove it, loading the model the
     trace names or `model` / `draft` if they moved). Returns the BisectReport."""
     __tracebackhide__ = True
-    from ..trace.reader import Trace
+    from ..trace.reader import Trace  # (lazy: loads h5py; the plugin imports this module)
 
     opened = []
     try:
@@ -93,7 +95,7 @@ def assert_reproducible(model, prompts, *, schedules=BASE_SCHEDULES, policy=None
     if policy is not None:
         policy = _policy(policy)
 
-    from ..engine.engine import Engine  # (the engine package loads the optimized BLAS before MLX)
+    from ..engine.engine import Engine  # (lazy: loads MLX)
 
     if isinstance(model, Engine):
         subject = _EngineSubject(model, policy=policy, spec_k=spec_k, top_k=top_k, token_budget=token_budget,
@@ -136,7 +138,7 @@ SCRATCH: list = []  # divergence-check-* folders made by checks in this process 
 
 def _run_and_compare(subject, requests, schedules, out: Path, *, confirm: bool, bitwise: bool = False):
     """Run every schedule into out/<schedule>.h5; compare each against the first."""
-    from ..trace.reader import Trace
+    from ..trace.reader import Trace  # (lazy: loads h5py; the plugin imports this module)
 
     paths = subject.run(requests, schedules, out)
     comparisons = []
@@ -155,7 +157,7 @@ class _DirSubject:
 
     def __init__(self, model, draft, *, policy, spec_k, top_k, token_budget, dtype, stop_at_eos):
         __tracebackhide__ = True
-        from ..workloads.runner import RunConfig, load_models
+        from ..workloads.runner import RunConfig, load_models  # (lazy: the plugin imports no workloads module)
 
         spec_k = spec_k or 0
         model_dir = _model_dir(model, "model", default="TARGET")
@@ -173,7 +175,7 @@ class _DirSubject:
 
     def check(self, requests) -> None:
         __tracebackhide__ = True
-        from ..workloads.runner import make_engine
+        from ..workloads.runner import make_engine  # (lazy: the plugin imports no workloads module)
 
         engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
         for r in requests:
@@ -182,7 +184,7 @@ class _DirSubject:
                 raise PromptError(msg)
 
     def run(self, requests, schedules, out: Path) -> dict:
-        from ..workloads.runner import run_schedules
+        from ..workloads.runner import run_schedules  # (lazy: the plugin imports no workloads module)
 
         run_schedules(self.cfg, self.target, self.draft, requests, schedules, out)
         return {s: out / f"{s}.h5" for s in schedules}
@@ -203,7 +205,7 @@ class _EngineSubject:
                               "(speculative decoding needs its draft model: build the Engine with it)")
         self.overrides = {}
         if policy is not None:
-            from ..engine.kernels.dispatch import KernelPolicy
+            from ..engine.kernels.dispatch import KernelPolicy  # (lazy: loads MLX)
 
             self.overrides["policy"] = KernelPolicy.parse(policy)
         if top_k is not None:
@@ -227,7 +229,7 @@ class _EngineSubject:
                 raise PromptError(msg)
 
     def run(self, requests, schedules, out: Path) -> dict:
-        from ..trace.writer import TraceWriter
+        from ..trace.writer import TraceWriter  # (lazy: loads h5py; the plugin imports this module)
 
         e = self.engine
         saved = {k: getattr(e, k) for k in self.overrides}
@@ -259,8 +261,8 @@ class _EngineSubject:
 
 def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None, bitwise: bool = False) -> Comparison:
     # the same analysis as `divergence bisect` (analysis.pipeline), replays memoised
-    from ..analysis.diff import pair_labels
-    from ..analysis.pipeline import AnalysisOptions, analyze_pair
+    from ..analysis.diff import pair_labels  # (lazy: loads numpy; the plugin imports this module)
+    from ..analysis.pipeline import AnalysisOptions, analyze_pair  # (lazy: loads numpy; the plugin imports this module)
 
     label_a, label_b = pair_labels(a, b)
     opts = AnalysisOptions(confirm=confirm, bitwise=bitwise, model_dir=model_dir, draft_dir=draft_dir,
@@ -272,7 +274,7 @@ def _compare(a, b, *, confirm: bool, model_dir=None, draft_dir=None, bitwise: bo
 def _memo_replayer(model_dir, draft_dir):
     """A Replayer that replays each (trace, forced steps) once: requests that share a
     root-cause step share its replay."""
-    from ..analysis.replayer import Replayer
+    from ..analysis.replayer import Replayer  # (lazy: loads the BLAS)
 
     class MemoReplayer(Replayer):
         def __init__(self, **kw):
@@ -305,15 +307,7 @@ def _as_trace(x, opened: list, Trace):
 
 def _check_schedules(schedules) -> tuple:
     __tracebackhide__ = True
-    if isinstance(schedules, str):
-        schedules = [s.strip() for s in schedules.split(",") if s.strip()]
-    schedules = tuple(schedules)
-    for s in schedules:
-        if s not in SCHEDULES:
-            raise PromptError(f"unknown schedule {s!r} (expected serial, concurrent or warm)")
-    if len(schedules) < 2 or len(set(schedules)) != len(schedules):
-        raise PromptError(f"schedules needs two or more distinct schedules to compare, got {list(schedules)}")
-    return schedules
+    return parse_schedules(schedules, to_compare=True)
 
 
 def _check_prompts(prompts) -> list:
@@ -335,8 +329,7 @@ def _is_token_list(x) -> bool:
 
 def _requests(items, encode, max_tokens: int) -> list:
     __tracebackhide__ = True
-    from ..core.request import Request
-    from ..workloads.prompts import request_from_dict
+    from ..workloads.prompts import request_from_dict  # (lazy: the plugin imports no workloads module)
 
     out = []
     for i, p in enumerate(items, 1):
@@ -362,9 +355,7 @@ def _requests(items, encode, max_tokens: int) -> list:
 
 def _positive(name: str, value) -> int:
     __tracebackhide__ = True
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PromptError(f"{name} must be an integer >= 1, got {value!r}")
-    return value
+    return at_least_one(name, value)
 
 
 def _policy(policy) -> str:
@@ -379,7 +370,7 @@ def _model_dir(value, what: str, *, default: str) -> Path:
     """A model directory, or the embedded fixture (TARGET / DRAFT) when value is None."""
     __tracebackhide__ = True
     if value is None:
-        from .. import fixtures
+        from .. import fixtures  # (lazy: an installed package's; absent in a bare source tree)
 
         return Path(getattr(fixtures, default))
     if not isinstance(value, (str, os.PathLike)):
