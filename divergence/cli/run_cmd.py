@@ -91,7 +91,8 @@ def main(args) -> int:
         raise PromptError(f"--out {out} exists and is not a directory")
     from ..workloads.runner import make_engine, validate  # (lazy: loads numpy and h5py)
 
-    validate(make_engine(cfg), requests)
+    engine = make_engine(cfg)
+    validate(engine, requests)  # before anything is written; run_schedules takes the checked engine
     say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
     from ..engine.kernels.blas import blas_in_use, blas_threads as blas_threads_now  # (lazy: loads the BLAS)
 
@@ -113,7 +114,8 @@ def main(args) -> int:
     from ..engine.kernels.blas import using_blas_threads  # (lazy: loads the BLAS)
 
     with using_blas_threads(blas_threads):
-        results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json)
+        results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json,
+                                engine=engine)
     if not is_writer():
         return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
     paths = {s: str(out / f"{s}.h5") for s in schedules}

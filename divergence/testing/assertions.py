@@ -175,18 +175,16 @@ class _DirSubject:
 
     def check(self, requests) -> None:
         __tracebackhide__ = True
-        from ..workloads.runner import make_engine  # (lazy: the plugin imports no workloads module)
+        from ..workloads.runner import make_engine, validate  # (lazy: the plugin imports no workloads module)
 
-        engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
-        for r in requests:
-            msg = engine.check(r)
-            if msg:
-                raise PromptError(msg)
+        self._engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
+        validate(self._engine, requests)  # the rules `divergence run` applies, once
 
     def run(self, requests, schedules, out: Path) -> dict:
         from ..workloads.runner import run_schedules  # (lazy: the plugin imports no workloads module)
 
-        run_schedules(self.cfg, self.target, self.draft, requests, schedules, out)
+        run_schedules(self.cfg, self.target, self.draft, requests, schedules, out,
+                      engine=getattr(self, "_engine", None))
         return {s: out / f"{s}.h5" for s in schedules}
 
     def summary(self, max_tokens: int) -> RunSummary:

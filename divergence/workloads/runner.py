@@ -102,10 +102,14 @@ def validate(engine, requests) -> None:
             raise PromptError(msg)
 
 
-def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *, progress: bool = False):
-    """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}."""
-    engine = make_engine(cfg)
-    validate(engine, requests)
+def run_schedules(cfg: RunConfig, target, draft, requests, schedules, out_dir, *, progress: bool = False,
+                  engine=None):
+    """Run `requests` under each schedule, writing out_dir/<schedule>.h5. Returns {schedule: RunResult}.
+    engine: the command's engine, made and its requests validated already (one validation a
+    command); None: made and validated here."""
+    if engine is None:
+        engine = make_engine(cfg)
+        validate(engine, requests)
 
     out_dir = Path(out_dir)
     try:
