@@ -16,6 +16,7 @@ from pathlib import Path
 from ..core.atomic import temp_name
 from ..core.names import ATTENTION, BATCH_GENERATOR, LOGPROBS, PADDED, PER_SEQ, REPLAYABLE_ENGINES
 from ..core.policy import KernelPolicy
+from ..core.settings import EngineSettings
 from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads, using_blas_threads
 from ..errors import EnvironmentMismatchError, PolicyError, ReplayError
 from ..parallel.env import is_writer
@@ -78,10 +79,10 @@ def engine_settings(trace) -> dict:
     if s.get("engine") != BATCH_GENERATOR:
         return s
     rows = max((p.rows for p in trace.iter_plans()), default=1)
-    return {"policy": "native", "token_budget": max(rows, s.get("token_budget") or 1), "spec_k": 0,
-            "top_k": s.get("top_k") or trace.meta.get("top_k") or 8, "block_size": 16, "prefix_caching": False,
-            "stop_at_eos": False, "prefill": "mlx-lm", "dtype": s.get("dtype"),
-            "topk_values": s.get("topk_values", LOGPROBS)}
+    return EngineSettings(policy="native", token_budget=max(rows, s.get("token_budget") or 1), spec_k=0,
+                          top_k=s.get("top_k") or trace.meta.get("top_k") or 8, prefix_caching=False,
+                          stop_at_eos=False, prefill="mlx-lm", dtype=s.get("dtype"),
+                          topk_values=s.get("topk_values", LOGPROBS)).to_dict()
 
 
 # A front end's progress display, (trace) -> engine Observer, set for the length of one command

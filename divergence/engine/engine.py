@@ -13,6 +13,7 @@ from ..core.events import Observer
 from ..core.names import LOGITS, TOPK_VALUES
 from ..core.request import Request
 from ..core.rules import at_least_one, check_schedule
+from ..core.settings import ENGINE_KEYS, EngineSettings
 from ..errors import PromptError, ReplayError
 from .kernels.dispatch import KernelPolicy
 from .kernels.environment import environment
@@ -24,10 +25,6 @@ from .speculative import draft_width
 from .sched.scheduler import PREFILL_LAYOUTS, WHOLE
 
 __all__ = ["Engine", "RequestOutput", "RunResult", "Run", "environment"]
-
-# The settings a trace records (Engine.settings) and from_settings reads back.
-SETTINGS = ("policy", "token_budget", "spec_k", "top_k", "block_size", "prefix_caching", "stop_at_eos", "prefill",
-            "topk_values")
 
 
 class Engine:
@@ -112,7 +109,7 @@ class Engine:
         d = None
         if settings.get("spec_k") and (draft_dir or draft):
             d = _load(draft_dir, draft, (draft or {}).get("dtype", dtype), "draft")
-        opts = {k: settings[k] for k in SETTINGS if k in settings}
+        opts = {k: settings[k] for k in ENGINE_KEYS if k in settings}  # (core/settings.py)
         return cls(target, d, observers=list(observers), **opts, **kw)
 
     # -- convenience -------------------------------------------------------------
@@ -134,19 +131,9 @@ class Engine:
         return self._vocab
 
     def settings(self) -> dict:
-        return {
-            "policy": str(self.policy),
-            "token_budget": self.token_budget,
-            "spec_k": self.spec_k,
-            "top_k": self.top_k,
-            "block_size": self.block_size,
-            "prefix_caching": self.prefix_caching,
-            "stop_at_eos": self.stop_at_eos,
-            "prefill": self.prefill,
-            "dtype": self.target.dtype,
-            **({"topk_values": self.topk_values} if self.topk_values != LOGITS else {}),
-            **({"tp": self.tp.describe()} if self.tp is not None else {}),
-        }
+        s = EngineSettings(str(self.policy), self.token_budget, self.spec_k, self.top_k, self.block_size,
+                           self.prefix_caching, self.stop_at_eos, self.prefill, self.target.dtype, self.topk_values)
+        return {**s.to_dict(), **({"tp": self.tp.describe()} if self.tp is not None else {})}
 
     def check(self, req: Request) -> str:
         """Why a request cannot run ('' when it can)."""

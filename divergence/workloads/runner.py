@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.events import Observer
+from ..core.settings import EngineSettings
 from ..errors import DivergenceInputError, PromptError, TraceError
 from ..trace.writer import TraceWriter
 
@@ -31,9 +32,9 @@ class RunConfig:
 
     def settings(self) -> dict:
         """The engine settings, as a trace records them (Engine.from_settings reads them)."""
-        return {"policy": self.policy, "token_budget": self.token_budget, "spec_k": self.spec_k, "top_k": self.top_k,
-                "prefix_caching": self.prefix_cache, "stop_at_eos": self.stop_at_eos, "prefill": self.prefill,
-                "dtype": self.dtype}
+        return EngineSettings(policy=self.policy, token_budget=self.token_budget, spec_k=self.spec_k,
+                              top_k=self.top_k, prefix_caching=self.prefix_cache, stop_at_eos=self.stop_at_eos,
+                              prefill=self.prefill, dtype=self.dtype).to_dict()
 
 
 def load_models(cfg: RunConfig):
