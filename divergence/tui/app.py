@@ -90,26 +90,24 @@ class BrowseApp(App):
     # -- navigation (screens post these; the top screen is reused when it is of the same kind) --
     def on_open_request(self, message: OpenRequest) -> None:
         self.current_request = message.request_id
-        top = self.screen
-        if isinstance(top, TokenScreen):
-            top.show_request(message.request_id, message.position)
-        else:
-            self.push_screen(TokenScreen(message.request_id, message.position))
+        self._show(TokenScreen, lambda top: top.show_request(message.request_id, message.position),
+                   lambda: TokenScreen(message.request_id, message.position))
 
     def on_open_step(self, message: OpenStep) -> None:
-        top = self.screen
-        if isinstance(top, StepScreen):
-            top.show_side(message.side, message.step)
-        else:
-            self.push_screen(StepScreen(message.side, message.step))
+        self._show(StepScreen, lambda top: top.show_side(message.side, message.step),
+                   lambda: StepScreen(message.side, message.step))
 
     def on_open_kv(self, message: OpenKv) -> None:
         self.current_request = message.request_id
-        top = self.screen
-        if isinstance(top, KvScreen):
-            top.show_request(message.request_id, message.position)
+        self._show(KvScreen, lambda top: top.show_request(message.request_id, message.position),
+                   lambda: KvScreen(message.request_id, message.position))
+
+    def _show(self, kind, update, make) -> None:
+        """Reuse the top screen where it is of `kind` (update it), else push a new one (make)."""
+        if isinstance(self.screen, kind):
+            update(self.screen)
         else:
-            self.push_screen(KvScreen(message.request_id, message.position))
+            self.push_screen(make())
 
     # -- actions --
     def action_overview(self) -> None:
