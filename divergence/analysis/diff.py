@@ -115,6 +115,7 @@ class DiffReport:
     # environment keys whose values differ between the traces (key -> [a, b]): another
     # device, BLAS or thread count changes numerics on its own, whatever the schedules
     environment: dict = field(default_factory=dict)
+    subset: list = field(default_factory=list)  # a partial rerun's pair: the ids compared (empty: every request)
 
     @property
     def identical(self) -> bool:
@@ -128,6 +129,7 @@ class DiffReport:
         return {"identical": self.identical, "a": self.path_a, "b": self.path_b, "bitwise": self.bitwise,
                 "tp_degrees": list(self.tp_degrees), "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
                 "environment_differs": {k: list(v) for k, v in self.environment.items()},
+                **({"compared_only": self.subset} if self.subset else {}),
                 "requests": [r.to_json() for r in self.requests]}
 
 
@@ -164,6 +166,16 @@ def check_comparable(a, b) -> None:
 def compared_requests(trace) -> list:
     """The user's requests: the warm schedule's warm-up requests are part of its schedule."""
     return [r for r in trace.requests if not r.id.startswith(WARMUP_PREFIX)]
+
+
+def rerun_subset(a, b) -> set[str] | None:
+    """The requests a partial `divergence rerun` re-ran, where one of the pair is one (its
+    settings name them: rerun.requests); None: compare every request."""
+    for t in (a, b):
+        ids = ((t.meta.get("settings") or {}).get("rerun") or {}).get("requests")
+        if ids:
+            return set(ids)
+    return None
 
 
 def _finite(x) -> float | None:
@@ -267,13 +279,16 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
     check_comparable(a, b)
     incomplete = [t.path for t in (a, b) if not t.completed]
     out = []
+    chosen = rerun_subset(a, b)
     for req in compared_requests(a):
+        if chosen is not None and req.id not in chosen:
+            continue  # a partial rerun's pair: the requests it did not re-run are not compared
         ta, tb = a.tokens(req.id), b.tokens(req.id)
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
     return DiffReport(str(a.path), str(b.path), *pair_labels(a, b), out, [str(p) for p in incomplete],
                       bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree),
-                      environment=environment_differs(a, b))
+                      environment=environment_differs(a, b), subset=sorted(chosen or ()))
 
 
 def _label(trace) -> str:

@@ -210,8 +210,15 @@ def _environment_note(d: DiffReport) -> list[str]:
     return [f"note: the runs' environments differ ({what}): that alone changes numbers, whatever the schedules"]
 
 
+def _subset_note(d: DiffReport) -> list[str]:
+    if not d.subset:
+        return []
+    return [f"note: a partial rerun: only the {len(d.subset)} requests it re-ran are compared"]
+
+
 def render_diff(d: DiffReport, vocab=None) -> str:
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
+    lines = ([f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
+             + _subset_note(d))
     for p in d.incomplete:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
@@ -225,7 +232,8 @@ def render_bisect(b: BisectReport, vocab=None, *, foreign: bool | None = None) -
     --confirm-cmd); None where the caller does not say (the hint names both)."""
     d = b.diff
     hint = confirm_hint(d, foreign)
-    lines = [f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
+    lines = ([f"{d.label_a}: {d.path_a}", f"{d.label_b}: {d.path_b}"] + _tp_note(d) + _environment_note(d)
+             + _subset_note(d))
     if b.mode != "kv-hashes":
         lines.append(f"note: bisect mode: {b.mode}")
     for p in d.incomplete:

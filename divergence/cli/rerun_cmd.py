@@ -14,8 +14,8 @@ def add_arguments(p) -> None:
     p.add_argument("live", metavar="LIVE.h5", help="a trace that divergence serve wrote")
     p.add_argument("--schedule", default=SERIAL, choices=BASE_SCHEDULES,
                    help="the schedule of the re-run")
-    p.add_argument("--requests", metavar="ID,...", help="re-run only these requests; the others are recorded "
-                   "as not run, so diff and bisect report them missing (exit 1) and compare these as usual")
+    p.add_argument("--requests", metavar="ID,...", help="re-run only these requests; the trace names them, and "
+                   "diff, bisect and report compare only these")
     p.add_argument("--out", metavar="DIR", required=True, help="a directory: SCHEDULE.h5 goes there")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
@@ -42,10 +42,8 @@ def main(args) -> int:
         print(f"  left out {rid}: {why}", file=sys.stderr)
     if missing:
         chosen = [rid for rid in result.outputs if rid not in skipped]
-        print(f"note: diff and bisect compare every request of the live trace: the {len(missing)} not re-run "
-              f"({_some(missing)}) show as missing, so they exit 1 even where the re-run "
-              f"{'one is' if len(chosen) == 1 else 'ones are'} identical; read the lines of {_some(chosen)} "
-              f"(--json: those ids' entries in 'requests')")
+        print(f"note: diff, bisect and report compare the {len(chosen)} re-run ({_some(chosen)}); the "
+              f"{len(missing)} not re-run ({_some(missing)}) are left out of the comparison")
     print(f"next: divergence bisect {path} {args.live} --confirm")
     return 0
 
