@@ -159,7 +159,13 @@ class Trace:
 
     def _live_requests(self) -> list[TraceRequest]:
         """Requests that joined while the run ran (a live server's /live_requests), after /requests."""
-        if self.version != 2 or "live_requests" not in self._once("commit", self._commit):
+        if self.version != 2:
+            return []
+        try:
+            commit = self._once("commit", self._commit)
+        except Exception as e:  # noqa: BLE001  (HDF5: OSError, KeyError of a damaged commit record)
+            raise validate.damaged(self.path, f"its commit record cannot be read ({e})") from None
+        if "live_requests" not in commit:
             return []
         t, flat = self._raw("live_requests"), self._raw("live_prompt_tokens")["value"]
         return [TraceRequest(bytes(t["id"][i]).decode("ascii", "replace"),
