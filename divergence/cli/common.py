@@ -46,9 +46,6 @@ def add_model_args(p, *, draft: bool = True) -> None:
 def default_model_dirs():
     """The embedded fixture models: the installed package, or the repo's fixtures/
     folder when running from a source tree on PYTHONPATH (no install)."""
-    try:
-        from ..fixtures import DRAFT, TARGET  # (lazy: an installed package's; absent in a bare source tree)
-    except ModuleNotFoundError:
-        root = Path(__file__).resolve().parents[2] / "fixtures"
-        TARGET, DRAFT = root / "target", root / "draft"
-    return TARGET, DRAFT
+    from ..testing.models import fixture_dirs  # (lazy: the parser imports every command)
+
+    return fixture_dirs()

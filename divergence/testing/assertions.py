@@ -368,9 +368,9 @@ def _model_dir(value, what: str, *, default: str) -> Path:
     """A model directory, or the embedded fixture (TARGET / DRAFT) when value is None."""
     __tracebackhide__ = True
     if value is None:
-        from .. import fixtures  # (lazy: an installed package's; absent in a bare source tree)
+        from .models import fixture_dirs  # (lazy: the plugin imports this module)
 
-        return Path(getattr(fixtures, default))
+        return fixture_dirs()[("TARGET", "DRAFT").index(default)]
     if not isinstance(value, (str, os.PathLike)):
         raise ModelLoadError(f"{what} must be a model directory, an Engine or None, got {type(value).__name__}")
     path = Path(value).expanduser()

@@ -142,6 +142,15 @@ def _plant_tie(params: list, tie: tuple, seed: int) -> list:
 
 
 def _fixture_target() -> Path:
-    from divergence.fixtures import TARGET  # (lazy: an installed package's; absent in a bare source tree)
+    return fixture_dirs()[0]
 
-    return TARGET
+
+def fixture_dirs() -> tuple[Path, Path]:
+    """(target, draft): the embedded fixture models of the installed package, or the repo's
+    fixtures/ folder in a source tree on PYTHONPATH (no install: no divergence.fixtures)."""
+    try:
+        from divergence.fixtures import DRAFT, TARGET  # (lazy: an installed package's; absent in a bare tree)
+    except ModuleNotFoundError:
+        root = Path(__file__).resolve().parents[2] / "fixtures"
+        return root / "target", root / "draft"
+    return Path(TARGET), Path(DRAFT)
