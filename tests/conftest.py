@@ -2,8 +2,12 @@
 tiny random-weight models of the other families."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,21 @@ import divergence.engine.kernels.blas  # noqa: F401,E402
 pytest_plugins = ["pytester"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# This session's own temp dir (children inherit TMPDIR): what the commands under test leave
+# there is checked at the end, whatever else runs on the machine.
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="divergence-tests-"))
+os.environ["TMPDIR"] = str(_SESSION_TMP)
+tempfile.tempdir = None  # (read TMPDIR again)
+atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)  # pytest's tmp_path trees live in it too
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temp_dirs_left():
+    """No replay, confirm, check or rank leaves a divergence-* directory behind (issue 28)."""
+    yield
+    left = sorted(p.name for p in _SESSION_TMP.glob("divergence-*"))
+    assert not left, f"temporary directories left behind: {left}"
 
 
 def pytest_report_header(config):

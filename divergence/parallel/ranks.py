@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -106,12 +107,12 @@ def _as_rank(args, n: int) -> int:
         print(f"divergence-tp: cannot join the group: {e}", file=sys.stderr)
         return CRASHED
     t.keep_full = args.command in ("replay", "bisect", "report")  # their replays may force STEP:unsharded
+    scratch = None
     if not t.writes:
         sys.stdout = open(os.devnull, "w")  # rank 0 alone reports
-        if getattr(args, "html", None):  # and writes pages: the others' go to their own temp dir
-            import tempfile
-
-            args.html = os.path.join(tempfile.mkdtemp(prefix="divergence-tp-rank-"), "report.html")
+        if getattr(args, "html", None):  # and writes pages: the others' go to a temp dir, removed at the end
+            scratch = tempfile.TemporaryDirectory(prefix="divergence-tp-rank-")
+            args.html = os.path.join(scratch.name, "report.html")
     try:
         return int(args._run(args) or 0)
     except RuntimeError as e:
@@ -120,6 +121,9 @@ def _as_rank(args, n: int) -> int:
             return CRASHED
         print(f"divergence-tp: rank {t.rank}: {e}", file=sys.stderr)
         return PEER_LOST
+    finally:
+        if scratch is not None:
+            scratch.cleanup()
 
 
 def _peer_lost(e: Exception) -> bool:
