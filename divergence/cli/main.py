@@ -115,7 +115,7 @@ def main(argv=None) -> int:
         with replay_progress():  # on a terminal: 'replaying step 120/433' (replay, bisect --confirm, report)
             return int(args._run(args) or 0)
     except DivergenceInputError as e:
-        print(f"divergence {args.command}: error: {e}", file=sys.stderr)
+        print(f"divergence {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
         print(f"divergence {args.command}: interrupted", file=sys.stderr)

@@ -358,13 +358,15 @@ def _abandon(f) -> None:
 
 def _reason(e: BaseException) -> str:
     """An I/O failure in a few words, on one line (h5py's messages span lines and name its buffers)."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    text = " ".join(str(e).split())
+    raw = e.strerror if isinstance(e, OSError) and e.strerror else str(e)  # (h5py's strerror spans lines too)
+    text = " ".join(str(raw).split())
     m = re.search(r"errno = (\d+)", text)
     if m:
         try:
             return os.strerror(int(m.group(1)))
         except ValueError:
             pass
+    m = re.search(r"error message = '([^']+)'", text)
+    if m:
+        return m.group(1)
     return text[:200] or type(e).__name__
