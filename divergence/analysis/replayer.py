@@ -7,7 +7,6 @@ This is how `bisect --confirm` proves a root cause.
 """
 from __future__ import annotations
 
-import contextvars
 import os
 import tempfile
 from importlib import metadata
@@ -31,6 +30,7 @@ from .fidelity import ReplayReport, fidelity
 from .force_spec import check_forced, describe_forced, parse_force  # noqa: F401  (describe_forced: analysis.tp)
 from .forcing import owner_of
 from .ops import OpRows, first_op_difference
+from .replay_progress import REPLAY_PROGRESS
 from .relayout import admissions, relayout
 
 
@@ -83,11 +83,6 @@ def engine_settings(trace) -> dict:
                           top_k=s.get("top_k") or trace.meta.get("top_k") or 8, prefix_caching=False,
                           stop_at_eos=False, prefill="mlx-lm", dtype=s.get("dtype"),
                           topk_values=s.get("topk_values", LOGPROBS)).to_dict()
-
-
-# A front end's progress display, (trace) -> engine Observer, set for the length of one command
-# (cli/progress.py); every replay then reports its steps to it. None: no display.
-REPLAY_PROGRESS: contextvars.ContextVar = contextvars.ContextVar("divergence_replay_progress", default=None)
 
 
 class Replayer:

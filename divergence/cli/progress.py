@@ -44,11 +44,11 @@ class StepLine(Observer):
 @contextlib.contextmanager
 def replay_progress(what: str = "replaying"):
     """While inside, every replay (divergence.analysis.replayer.Replayer) shows a StepLine on a
-    terminal (through analysis.replayer.REPLAY_PROGRESS); elsewhere nothing changes."""
+    terminal (through analysis.replay_progress.REPLAY_PROGRESS); elsewhere nothing changes."""
     if not on_tty():
         yield
         return
-    from ..analysis.replayer import REPLAY_PROGRESS  # (lazy: loads the BLAS)
+    from ..analysis.replay_progress import REPLAY_PROGRESS  # (lazy: the parser imports every command)
 
     def line(trace):
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import io
 import sys
 
-from divergence.analysis.replayer import REPLAY_PROGRESS
+from divergence.analysis.replay_progress import REPLAY_PROGRESS
 from divergence.cli.progress import StepLine, replay_progress
 
 
