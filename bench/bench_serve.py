@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,16 +44,12 @@ import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
 import httpx
 import numpy as np
 
+from divergence.parallel.launch import free_ports
+
 GOAL = {"plain": 1.0, "draft": 1.5}
 SPEC_K = 3
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 600
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -216,12 +211,8 @@ def main() -> int:
     print(f"[bench] target {target}, draft {draft} ({where}); {args.requests} requests, {args.concurrency} "
           f"concurrent, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} tokens each, "
           f"{args.reps} reps; logs and traces in {work}", flush=True)
-    used = set()
-    for s in all_srv:
-        while (p := free_port()) in used:
-            pass
-        used.add(p)
-        s.port = p
+    for s, port in zip(all_srv, free_ports(len(all_srv))):  # distinct: held open together
+        s.port = port
     results: dict[tuple[str, str], list[dict]] = {(s.name, s.mode): [] for s in all_srv}
     startup = {}
     try:

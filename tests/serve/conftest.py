@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,12 @@ import httpx
 import pytest
 
 from divergence.cli.common import default_model_dirs
+from divergence.parallel.launch import free_ports
 from divergence.trace.reader import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGET, DRAFT = default_model_dirs()
 START_TIMEOUT_S = 120
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -53,7 +47,7 @@ class Served:
 
 
 def start_server(tmp: Path, *args: str) -> Served:
-    port = free_port()
+    [port] = free_ports(1)
     trace_dir = tmp / "live"
     log = tmp / f"serve-{port}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
