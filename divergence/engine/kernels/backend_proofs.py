@@ -114,8 +114,7 @@ def row_alone_is_exact(op, m: int, row: int, dtype) -> bool:
     does not (small-matrix kernels, GEMV vs GEMM) it computes every row, as mlx-lm does."""
     if m <= 1:
         return True
-    quant = f"q{op.module.bits}g{op.module.group_size}" if op.quantized else str(op.weight_dtype)
-    key = f"row-alone:{op.name}:{op.n}x{op.k}:{quant}:{dtype}:{m}:{row}"
+    key = f"row-alone:{op.name}:{op.n}x{op.k}:{op.precision}:{dtype}:{m}:{row}"
 
     def probe() -> bool:
         from .bits import raw_bits

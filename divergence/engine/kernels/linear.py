@@ -53,6 +53,13 @@ class LinearOp:
         # the module's own product, bound once (mlx.nn's Module.__call__ -> Linear.__call__)
         self._product = self.module.as_linear if self.tied_embedding else self.module.__call__
 
+    @property
+    def precision(self) -> str:
+        """How its weights are stored: "q4g64" (bits, group size) or their dtype; part of the
+        keys a probe's results are cached under (native_classes, backend_proofs)."""
+        m = self.module
+        return f"q{m.bits}g{m.group_size}" if self.quantized else str(self.weight_dtype)
+
     def native(self, x: mx.array) -> mx.array:
         if cpu_split.MAY_SPLIT and self.splittable:
             split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,

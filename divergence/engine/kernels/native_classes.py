@@ -34,7 +34,6 @@ import numpy as np
 import xxhash
 
 from ...core.classes import classify
-
 from ...core.names import BATCHED, PADDED, PER_SEQ
 from . import attention, linear as kernels, splits as cpu_split
 from .backend_proofs import BackendStore
@@ -94,8 +93,7 @@ class NativeClassProbe:
         memo = (op.name, op.n, op.k, id(op.module))
         if memo not in self._digests:
             self._digests[memo] = _weights_digest(op)
-        quant = f"q{op.module.bits}g{op.module.group_size}" if op.quantized else str(op.weight_dtype)
-        return (f"linear:{PROBE_METHOD}:{self._weights}:{self._digests[memo]}:{op.name}:{op.n}x{op.k}:{quant}:"
+        return (f"linear:{PROBE_METHOD}:{self._weights}:{self._digests[memo]}:{op.name}:{op.n}x{op.k}:{op.precision}:"
                 f"{dtype}:{m}:split={cpu_split.MAY_SPLIT}")
 
     def _input(self, k: int, dtype) -> mx.array:
