@@ -20,15 +20,17 @@ from ..errors import ReplayError
 from ..trace.reader import Trace
 from .cause import BY_ENVIRONMENT
 from .environment import child_environment, recorded, reproduction
+from .force_spec import force_args
 
 
-def replay_in_child(trace, *, under=None, out=None, tap: tuple | None = None, model_dir=None,
-                    draft_dir=None, workdir) -> Path:
+def replay_in_child(trace, *, under=None, out=None, tap: tuple | None = None, forced: dict | None = None,
+                    model_dir=None, draft_dir=None, workdir) -> Path:
     """Run `divergence replay` on an open trace in a child process under the recorded environment
-    of `under` (another open trace; default: the trace's own). Writes the replayed trace (tap
-    None) or the tapped step's op rows (tap = (step, request)) under workdir; returns that path."""
+    of `under` (another open trace; default: the trace's own), forcing `forced` (step -> policy,
+    as parse_force gives). The child starts a TP trace's ranks itself. Writes the replayed trace
+    (tap None) or the tapped step's op rows (tap = (step, request)) under workdir; returns that path."""
     trace_path = trace.path
-    cmd = [sys.executable, "-m", "divergence", "replay", str(trace_path), "--json"]
+    cmd = [sys.executable, "-m", "divergence", "replay", str(trace_path), "--json", *force_args(forced or {})]
     if under is not None:
         cmd += ["--environment-of", str(under.path)]
     if model_dir:

@@ -83,3 +83,12 @@ def _op_order(ops) -> list[str]:
 def describe_forced(forced: dict) -> dict[int, str]:
     return {step: (", ".join(f"{op}={p}" for op, p in pol.items()) if isinstance(pol, dict) else str(pol))
             for step, pol in forced.items()}
+
+
+def force_args(forced: dict) -> list[str]:
+    """The `--force` arguments that parse_force reads back as `forced` (a child's replay)."""
+    out = []
+    for step, pol in sorted(forced.items()):
+        for spec in ([f"{op}={p}" for op, p in pol.items()] if isinstance(pol, dict) else [str(pol)]):
+            out += ["--force", f"{step}:{spec}"]
+    return out

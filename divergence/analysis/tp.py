@@ -7,17 +7,15 @@ rank of the trace's degree (the pytest plugin, the API), through `divergence rep
 in a child process, which starts the ranks."""
 from __future__ import annotations
 
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 
 from ..core.names import SHARDED_TO_ALL, TP_SHARDING
 from ..core.policy import UNSHARDED, UnshardedStep
-from ..errors import PolicyError, RanksNeededError, ReplayError
+from ..errors import PolicyError, RanksNeededError
 from ..trace.reader import Trace
+from .environment_confirm import replay_in_child
 
 SHARDED_TO_ALL_OPS = tuple(op for op, mode in TP_SHARDING.items() if mode == SHARDED_TO_ALL)
 
@@ -139,19 +137,7 @@ def make_tp_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
 def replay_in_ranks(trace, forced: dict, *, model_dir=None, draft_dir=None) -> dict:
     """request id -> its replayed tokens (TokenRecords: tokens, topk_logits), by `divergence
     replay` in a child process, which starts the trace's ranks (this process is none)."""
-    from .force_spec import describe_forced  # (lazy: force_spec imports this module)
-
-    force = [f"{step}:{spec}" for step, text in sorted(describe_forced(forced).items())
-             for spec in (text.split(", ") if "=" in text else [text])]
     with tempfile.TemporaryDirectory(prefix="divergence-tp-replay-") as work:
-        out = Path(work) / "replay.h5"
-        cmd = [sys.executable, "-m", "divergence", "replay", str(trace.path), "--out", str(out), "--json"]
-        cmd += [a for d, flag in ((model_dir, "--model"), (draft_dir, "--draft")) if d for a in (flag, str(d))]
-        cmd += [a for f in force for a in ("--force", f)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        # a forced replay is meant to differ from its trace: 1 (not faithful) is fine
-        if done.returncode not in (0, 1) or not out.exists():
-            why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-            raise ReplayError(f"the replay of {trace.path} in {trace.tp_degree} ranks failed: {why}")
+        out = replay_in_child(trace, forced=forced, model_dir=model_dir, draft_dir=draft_dir, workdir=work)
         with Trace.open(out) as t:
             return {r.id: t.tokens(r.id) for r in t.requests}
