@@ -12,16 +12,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.names import CONCURRENT, SERIAL
+from ..core.names import BASE_SCHEDULES, SERIAL
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..engine.run import Run
 from ..errors import DivergenceInputError, PromptError
 from ..trace.reader import Trace
 from ..trace.writer import TraceWriter
-from ..workloads.runner import partial_name
+from ..workloads.runner import partial_name, validate
 
-RERUN_SCHEDULES = (SERIAL, CONCURRENT)
+RERUN_SCHEDULES = BASE_SCHEDULES  # a live trace is concurrent; warm's warm-up is not its traffic
 NOT_CHOSEN = "not in --requests"  # a left-out request that had tokens live: diff reports it missing
 
 
@@ -72,10 +72,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         kv_hashes = live.has_kv_hashes
     engine = Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
                                   model_dir=model_dir, draft_dir=draft_dir)
-    for r in requests:
-        msg = engine.check(r)
-        if msg:
-            raise PromptError(msg)
+    validate(engine, requests)  # the rules `divergence run` applies
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
