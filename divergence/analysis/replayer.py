@@ -27,7 +27,7 @@ from .confirm import make_confirmer, make_replay_bisector  # noqa: F401
 from .environment import describe_blas, recorded, reproduction
 from .environment_confirm import load_tap, replay_in_child
 from .fidelity import ReplayReport, fidelity
-from .force_spec import check_forced, describe_forced, parse_force  # noqa: F401  (describe_forced: analysis.tp)
+from .force_spec import check_forced, parse_force
 from .forcing import owner_of
 from .ops import OpRows, first_op_difference
 from .replay_progress import REPLAY_PROGRESS

@@ -11,7 +11,6 @@ import with its file and line number, before anything is written.
 """
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from ..engine.kernels import blas as _blas  # noqa: F401  (loads the optimized BLAS: must precede mlx)
 import mlx.core as mx
-import numpy as np
 
 from ..core.atomic import write_atomic
 from ..engine.model.forward import PackedForward

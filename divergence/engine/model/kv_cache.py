@@ -7,7 +7,6 @@ whole-cache copy) and reads gather from block by block.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 
 class PagedKVCache:
