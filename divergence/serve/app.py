@@ -56,7 +56,7 @@ class Generation:
     def __init__(self, server: "Server", parsed: Parsed, rid: str, prompt_len: int):
         self.server, self.p, self.id, self.prompt_len = server, parsed, rid, prompt_len
         self.detok = Detokenizer(server.engine.decode, parsed.stop)
-        self.logprobs: list[tuple[int, float, list]] = []  # (token, logprob, top)
+        self.logprobs: list[tuple[int, float, list, int]] = []  # (token, logprob, top, text offset)
         self.finish: str | None = None
         self.tokens = 0  # generated so far (usage), the end-of-text that ended it included
         e = server.engine
@@ -66,10 +66,11 @@ class Generation:
         if self.detok.stopped:
             return ""
         self.tokens += 1
+        start = len(self.detok.text.rstrip("\ufffd"))  # where its text begins (after a partial character: at it)
         delta = "" if int(event.token) in self.silent else self.detok.add(event.token)
         if self.p.logprobs is not None:
             lp, top = token_logprobs(event, self.p.sampling.temperature)
-            self.logprobs.append((int(event.token), lp, top[: self.p.logprobs]))
+            self.logprobs.append((int(event.token), lp, top[: self.p.logprobs], start))
         return delta
 
     def usage(self) -> dict:
@@ -83,9 +84,13 @@ class Generation:
         if self.p.kind == CHAT:
             return {"content": [{"token": piece(t), "logprob": lp, "bytes": list(piece(t).encode()),
                                  "top_logprobs": [{"token": piece(i), "logprob": v, "bytes": list(piece(i).encode())}
-                                                  for i, v in top]} for t, lp, top in entries]}
-        return {"tokens": [piece(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-                "top_logprobs": [{piece(i): v for i, v in top} for _, _, top in entries], "text_offset": []}
+                                                  for i, v in top]} for t, lp, top, _ in entries]}
+        # text_offset: where each token's text starts in the completion's text (streamed: in the
+        # text of all chunks joined); no echo, so the prompt is not counted (as vLLM). Past a
+        # stop string's cut, a token starts where the text ends.
+        return {"tokens": [piece(t) for t, *_ in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [{piece(i): v for i, v in e[2]} for e in entries],
+                "text_offset": [min(e[3], len(self.detok.text)) for e in entries]}
 
 
 class Server:

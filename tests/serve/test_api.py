@@ -2,6 +2,7 @@
 chat, streaming and not; every answer is the trace's tokens for its request."""
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
@@ -154,3 +155,31 @@ def test_the_live_trace_records_what_run_records(demo_server, client):
         assert (t.kv_writes()["request"] == idx).any()  # KV hashes, kernels, draft steps: as run records them
         assert len(t.kernels()["kernel"]) > 0
         assert "draft" in set(t.codes("models")[int(m)] for m in t.steps["model"])
+
+
+def test_text_offset_is_where_each_token_starts_in_the_text(demo_server, client, model):
+    r = client.completions.create(model="target", prompt=PROMPT, max_tokens=10, logprobs=1)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    _, tokens, _, _ = recorded(demo_server, r.id)
+    offsets = lp.text_offset
+    assert len(offsets) == len(tokens) == len(lp.tokens)
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i, off in enumerate(offsets):  # the text before token i is the text of tokens 0..i-1
+        assert text[:off] == answer(model, tokens[:i])
+    # streamed (raw SSE): the chunks' offsets count in the text of all chunks joined, as one response's
+    with httpx.stream("POST", demo_server.base_url + "/completions", timeout=120, json={
+            "model": "target", "prompt": PROMPT, "max_tokens": 10, "logprobs": 1, "stream": True}) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [o for e in events for c in e["choices"] if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == text
+    assert streamed == offsets
+
+
+def test_text_offset_stops_at_a_stop_strings_cut(demo_server, client):
+    free = client.completions.create(model="target", prompt=STOP_PROMPT, max_tokens=24)
+    text = free.choices[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    r = client.completions.create(model="target", prompt=STOP_PROMPT, max_tokens=24, stop=[stop], logprobs=0)
+    cut = r.choices[0].text
+    offsets = r.choices[0].logprobs.text_offset
+    assert offsets == sorted(offsets) and offsets[-1] <= len(cut) and len(offsets) >= 1
