@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...analysis.diff import abs_delta_rows, numeric_rows
-from ...trace.reader import TokenRecords, Trace
+from ...trace.reader import Trace
+from ...trace.views import TokenRecords
 
 
 @dataclass
