@@ -49,3 +49,12 @@ class BrowseScreen(Screen):
 
     def refresh_data(self) -> None:
         """Token counts or the analysis (diff + bisect) arrived: redraw what depends on them."""
+
+
+class RequestScreen(BrowseScreen):
+    """A screen of one request (its tokens, its KV cache), opened at a position or at its start."""
+
+    def __init__(self, request_id: str, position: int | None = None):
+        super().__init__()
+        self.request_id = request_id
+        self.start_position = position

@@ -11,10 +11,10 @@ from ..data import A, B, KvGrid
 from ..messages import CellHighlighted, KvGridReady, OpenStep
 from ..widgets import kv_grid as G
 from ..widgets.kv_grid import KvGridView
-from .base import BrowseScreen
+from .base import RequestScreen
 
 
-class KvScreen(BrowseScreen):
+class KvScreen(RequestScreen):
     HELP = "one request's KV cache, layer x position; cells where A's and B's hashes differ"
     GOTO_PROMPT = "position (or L<layer>:<position>)"
     PAIR_ACTIONS = ("earliest", "toggle_at")
@@ -27,9 +27,7 @@ class KvScreen(BrowseScreen):
     ]
 
     def __init__(self, request_id: str, position: int | None = None):
-        super().__init__()
-        self.request_id = request_id
-        self.start_position = position
+        super().__init__(request_id, position)
         self.at_steps: tuple = (None, None)
         self.grid: KvGrid | None = None
 

@@ -13,14 +13,14 @@ from ..messages import OpenStep, RowHighlighted, RowSelected
 from ..widgets.routing import RoutingPanel
 from ..widgets.topk import SIDE_WIDTH, GAP, TopKPanel
 from ..widgets.virtual_table import Column, VirtualTable
-from .base import BrowseScreen
+from .base import RequestScreen
 
 TABLE_LINES = 8  # the token table's lines (header + rows) the top-k panel leaves on a short terminal
 NARROW = 2 * SIDE_WIDTH + len(GAP) + 4  # below this width: fewer columns, no Δ in the top-k
 NARROW_KEEP = (0, 1, 4, 5, 6, 8, 9, 10, 11)  # mark, pos, A id/text/margin, B id/text/margin, max |Δlogit|
 
 
-class TokenScreen(BrowseScreen):
+class TokenScreen(RequestScreen):
     HELP = "one request's tokens, A and B side by side; the top-k of both under the cursor"
     GOTO_PROMPT = "position, or #N for the N-th generated token"
     SEARCH_PROMPT = "token text"
@@ -34,9 +34,7 @@ class TokenScreen(BrowseScreen):
     ]
 
     def __init__(self, request_id: str, position: int | None = None):
-        super().__init__()
-        self.request_id = request_id
-        self.start_position = position
+        super().__init__(request_id, position)
         self.al: TokenAlignment | None = None
         self._search = ""
 
