@@ -8,9 +8,15 @@ sampling request collects each draft step before the next, since its proposal is
 host-side draw. Either way the round returns its collected verify and the proposals;
 the Run (run.py) commits them: it owns the scheduler bookkeeping and the events, this
 module only drives the round's steps.
+
+A run may carry a `spec_control` (speculative.AdaptiveDraft: `divergence serve` does): it
+picks each round's draft length, up to the engine's k (0: the round is one verify of each
+sequence's last token), and is told how long the round took where it was a clean measure
+(no prefill rows, no draft cache catching up on tokens committed in rounds without drafts).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -30,6 +36,12 @@ class SpecRound:
     def __init__(self, run: Run, sched: Scheduler, work: list[Work], decoding: list[Sequence]):
         self.run, self.sched, self.work, self.decoding = run, sched, work, decoding
         self.ks = {s.id: sched.draft_len(s) for s in decoding}  # draft steps per sequence
+        self.control = getattr(run, "spec_control", None)
+        # a round the controller learns from: no prefill rows, no draft cache catching up
+        self.clean = not any(w.prefill for w in work) and all(len(s.tokens) - s.draft_cached <= 2 for s in decoding)
+        if self.control is not None:
+            k = self.control.choose(decoding, self.ks)
+            self.ks = {i: min(n, k) for i, n in self.ks.items()}
         self.props = {s.id: Proposal([], []) for s in decoding}
         # draft steps queued but not collected, with the sequences of each (greedy rounds)
         self.queued: list[tuple[Launch, list[Sequence]]] = []
@@ -37,6 +49,7 @@ class SpecRound:
     def execute(self) -> tuple[Launch, smp.Sampled, dict[str, Proposal]]:
         """Run the round: (the verify step's launch, its sampled rows, the proposals)."""
         run, sched, decoding, ks, props = self.run, self.sched, self.decoding, self.ks, self.props
+        t0 = time.perf_counter()
         lazy = run.e.overlap and all(s.request.sampling.greedy for s in decoding)
         last: dict[str, int] = {}
         prev: Launch | None = None
@@ -72,7 +85,10 @@ class SpecRound:
         else:
             plan = sched.target_plan(run.take_step(), self.work, {s.id: tuple(props[s.id].tokens) for s in decoding})
             verify = run.launch(run.target, plan, full_rows=run.full_rows(plan))
-        return verify, run.collect(verify), props
+        sampled = run.collect(verify)
+        if self.control is not None and self.clean:
+            self.control.observe(max(ks.values()), time.perf_counter() - t0)
+        return verify, sampled, props
 
     def _propose_one(self, s: Sequence, sampled: smp.Sampled, row: int, pos: int, step: int):
         if s.request.sampling.greedy:

@@ -129,8 +129,9 @@ class LiveRun(Run):
     IDLE_POLL_S = 0.25
 
     def __init__(self, engine, inbox: Inbox, deliver: Deliver, *, writer=None, rotate=lambda: False,
-                 on_ready=lambda: None):
+                 on_ready=lambda: None, spec_control=None):
         super().__init__(engine, [], CONCURRENT)
+        self.spec_control = spec_control  # speculative.AdaptiveDraft: each round's draft length (spec_round.py)
         self.on_ready = on_ready  # called once the trace file exists (the first pass through _more)
         self.inbox = inbox
         self.deliver = deliver
@@ -209,4 +210,7 @@ class LiveRun(Run):
 
     def info(self):
         info = super().info()
-        return replace(info, settings={**info.settings, "serve": {"started": time.time()}})
+        serve = {"started": time.time()}
+        if self.e.draft is not None:  # up to spec_k draft tokens a round (adaptive), or always spec_k
+            serve["spec"] = "adaptive" if self.spec_control is not None else "fixed"
+        return replace(info, settings={**info.settings, "serve": serve})
