@@ -4,18 +4,33 @@ The anchors' headline metric (Thinking Machines: 80 unique completions of 1000
 identical requests; 1 with batch-invariant kernels; vLLM's "needle" test): how
 many distinct completions does the same greedy request get, depending only on
 what it was batched with, and where do they first differ?
+
+All N copies (the needles) run in one continuous-batching stream with co-batched
+traffic (the fillers), as a server would see them, not N runs one after another:
+a run's fixed costs are paid once and a step carries several needles. The stream
+is a sequence of segments; segment j keeps b_j lanes busy (b_j drawn from
+1..max_batch), each lane a chain of requests back to back, each link a needle or
+(where b_j > 1) a filler of random prompt and length. So the stream's steps are
+spread evenly over the batch sizes, needles land in a batch of b in proportion to
+b, and each needle meets others at other positions, prefills joining its decode
+steps, fillers ending mid-way. Arrivals are planned with each request's length
+(the needle's from its run alone, the fillers' from one probe run), so a step
+holds at most max_batch requests as long as no request's length changes; the
+batch size reported per needle is the largest number of requests of any step it
+was in, as the run's step plans say.
 """
 from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ..core.events import TARGET, Observer
 from ..core.request import Request
 from ..core.rules import at_least_one
 from ..errors import PromptError
 
-MAX_BATCH = 1024  # --max-batch above this is refused (the fillers of one run are all in memory at once)
+MAX_BATCH = 1024  # --max-batch above this is refused (one segment's lanes are planned at once)
 
 FILLERS = [
     "Return the number of items in a container.",
@@ -28,6 +43,12 @@ FILLERS = [
     "Decode the object using the codec registered for encoding.",
 ]
 
+FILLER_SHARE = 0.25  # chance that a lane's next request is a filler: co-traffic that is not the needle
+SEGMENT_NEEDLES = (2, 5)  # a segment lasts this many needle lifetimes (drawn per segment)
+# KV positions one engine.run may reserve (a run reserves every request's whole length at
+# admission, all requests at once): a longer stream runs as several runs, split between segments
+STREAM_TOKENS = 1 << 18
+
 
 @dataclass
 class SweepResult:
@@ -37,22 +58,24 @@ class SweepResult:
     unique: int
     counts: list[int]  # runs per distinct completion, most common first
     first_difference: dict = field(default_factory=dict)  # generated index -> runs first differing there
+    # per needle (run), in order: the most requests in one step it was in (itself included)
     batch_sizes: list[int] = field(default_factory=list)
     reference_tokens: list[int] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)  # text of each distinct completion, by count
     diverge_at: list = field(default_factory=list)  # per completion: first generated index differing from alone
     tails: list[str] = field(default_factory=list)  # per completion: its text from just before that index
+    fillers: int = 0  # co-batched requests of the stream
+    steps: int = 0  # target steps of the stream (of all its engine runs)
+    engine_runs: int = 0  # engine.run calls the stream took (1 unless it outgrew STREAM_TOKENS)
 
     def to_json(self) -> dict:
         return {"prompt": self.prompt, "runs": self.runs, "policy": self.policy, "unique_completions": self.unique,
                 "counts": self.counts, "first_difference": {str(k): v for k, v in sorted(self.first_difference.items())},
-                "batch_sizes": self.batch_sizes, "completions": self.completions, "diverge_at": self.diverge_at}
+                "batch_sizes": self.batch_sizes, "completions": self.completions, "diverge_at": self.diverge_at,
+                "stream": {"fillers": self.fillers, "steps": self.steps, "engine_runs": self.engine_runs}}
 
 
-def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens: int = 48, seed: int = 0,
-          progress=None) -> SweepResult:
-    """Run `prompt` (greedy) `runs` times, each in a seeded random batch of 1..max_batch
-    requests with staggered arrivals, under the engine's policy, concurrent schedule."""
+def check_args(prompt: str, runs: int, max_batch: int, max_tokens: int) -> None:
     if runs < 1:
         raise PromptError("sweep needs at least one run (-n >= 1)")
     if not prompt:
@@ -60,37 +83,127 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
     if not 1 <= max_batch <= MAX_BATCH:
         raise PromptError(f"--max-batch must be in 1..{MAX_BATCH}, got {max_batch}")
     at_least_one("max_tokens", max_tokens)
+
+
+def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens: int = 48, seed: int = 0,
+          progress=None) -> SweepResult:
+    """Run `prompt` (greedy) `runs` times in one seeded stream of batches of 1..max_batch
+    requests (see the module's docstring), under the engine's policy, concurrent schedule.
+    progress(done, runs) is called as needles finish."""
+    check_args(prompt, runs, max_batch, max_tokens)
     rng = random.Random(seed)
     needle = tuple(engine.encode(prompt))
-    alone = engine.run([Request("needle", needle, max_tokens=max_tokens)], "concurrent").outputs["needle"].tokens
+    alone_run = engine.run([Request("needle", needle, max_tokens=max_tokens)], "concurrent")
+    alone = alone_run.outputs["needle"].tokens
+    fillers = filler_lengths(engine, max_tokens) if max_batch > 1 else []
+    chunks = plan_stream(rng, runs, max_batch, needle, max(1, alone_run.target_steps), fillers, max_tokens)
+    watch = _Watch(runs, progress)
+    engine.observers.append(watch)
+    outs, steps = {}, 0
+    try:
+        for chunk in chunks:
+            res = engine.run(chunk, "concurrent")
+            outs.update((k, o) for k, o in res.outputs.items() if k.startswith("n"))
+            steps += res.target_steps
+    finally:
+        engine.observers.remove(watch)
     seen: Counter = Counter()
     texts: dict[tuple, str] = {}
     first_diff: Counter = Counter()
-    sizes = []
     for i in range(runs):
-        b = rng.randint(1, max_batch)
-        sizes.append(b)
-        reqs = []
-        for j in range(b - 1):
-            text = rng.choice(FILLERS)
-            n = rng.randint(min(8, max_tokens), max_tokens)  # (8.. as before; --max-tokens below 8 too)
-            reqs.append(Request(f"f{j}", tuple(engine.encode(text)), max_tokens=n, arrival=rng.randint(0, 12)))
-        reqs.insert(rng.randint(0, len(reqs)), Request("needle", needle, max_tokens=max_tokens,
-                                                       arrival=rng.randint(0, 12)))
-        out = engine.run(reqs, "concurrent").outputs["needle"]
+        out = outs[f"n{i}"]
         key = tuple(out.tokens)
         seen[key] += 1
         texts[key] = out.text
         k = _first_diff(key, alone)
         if k is not None:
             first_diff[k] += 1
-        if progress:
-            progress(i + 1, runs)
     ranked = seen.most_common()
     at = [_first_diff(k, alone) for k, _ in ranked]
     tails = [engine.decode(list(k)[max(0, (i or 0) - 4):]) for (k, _), i in zip(ranked, at)]
-    return SweepResult(prompt, runs, str(engine.policy), len(seen), [c for _, c in ranked], dict(first_diff), sizes,
-                       list(alone), [texts[k] for k, _ in ranked], at, tails)
+    n_fill = sum(len(c) for c in chunks) - runs
+    return SweepResult(prompt, runs, str(engine.policy), len(seen), [c for _, c in ranked], dict(first_diff),
+                       [watch.batch[f"n{i}"] for i in range(runs)], list(alone), [texts[k] for k, _ in ranked], at,
+                       tails, n_fill, steps, len(chunks))
+
+
+def filler_lengths(engine, max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+    """(prompt tokens, tokens it generates up to max_tokens) of each filler, from one run of
+    all of them together: the planner then knows when a filler's lane frees up."""
+    prompts = [tuple(engine.encode(t)) for t in FILLERS]
+    res = engine.run([Request(f"p{i}", p, max_tokens=max_tokens) for i, p in enumerate(prompts)], "concurrent")
+    return [(p, max(1, len(res.outputs[f"p{i}"].tokens))) for i, p in enumerate(prompts)]
+
+
+def plan_stream(rng: random.Random, runs: int, max_batch: int, needle: tuple[int, ...], needle_life: int,
+                fillers: list, max_tokens: int) -> list[list[Request]]:
+    """The stream's requests, as chunks of one engine.run each. needle_life: the steps a
+    needle is in (its run alone's); fillers: (tokens, natural length) to draw from.
+    Needles are n0..n{runs-1}, fillers f0, f1, ...; arrivals are engine steps."""
+    chunks: list[list[Request]] = []
+    cur: list[Request] = []
+    reserved = 0
+    base = clock = 0  # base: the current chunk's first step
+    made = nf = 0
+    low = min(8, max_tokens)  # shortest filler drawn (as the per-run sweep drew them)
+    while made < runs:
+        b = rng.randint(1, max_batch)
+        end = clock + needle_life * rng.randint(*SEGMENT_NEEDLES)
+        seg: list[Request] = []
+        for lane in range(b):
+            # lanes start staggered (lane 0 at once: no idle step), so needles are at other positions
+            t = clock + (rng.randrange(needle_life) if lane else 0)
+            while made < runs:
+                if b > 1 and fillers and rng.random() < FILLER_SHARE:
+                    tokens, natural = rng.choice(fillers)
+                    n = min(rng.randint(low, max_tokens), end - t)  # a filler ends with its segment
+                    if n < 1:
+                        break
+                    seg.append(Request(f"f{nf}", tokens, max_tokens=n, arrival=t))
+                    nf += 1
+                    t += min(n, natural)
+                else:
+                    if t + needle_life > end:
+                        break
+                    seg.append(Request(f"n{made}", needle, max_tokens=max_tokens, arrival=t))
+                    made += 1
+                    t += needle_life
+        if not seg:  # (a segment too short for anything: draw another)
+            continue
+        cost = sum(len(r.prompt_tokens) + r.max_tokens + 1 for r in seg)
+        if cur and reserved + cost > STREAM_TOKENS:
+            chunks.append(cur)
+            cur, reserved, base = [], 0, clock
+        cur += [replace(r, arrival=r.arrival - base) for r in seg]
+        reserved += cost
+        clock = end
+    chunks.append(cur)
+    return [sorted(c, key=lambda r: (r.arrival, r.id)) for c in chunks]
+
+
+class _Watch(Observer):
+    """The batch each needle saw (most requests in one target step it was in) and progress."""
+
+    def __init__(self, runs: int, progress):
+        self.batch = {f"n{i}": 0 for i in range(runs)}
+        self.progress = progress
+        self.done = 0
+        self.runs = runs
+
+    def on_step(self, event) -> None:
+        plan = event.plan
+        if plan.model != TARGET:
+            return
+        n = len(plan.slices)
+        for sl in plan.slices:
+            if sl.request_id in self.batch and self.batch[sl.request_id] < n:
+                self.batch[sl.request_id] = n
+
+    def on_request(self, event) -> None:
+        if event.kind == "finished" and event.request_id in self.batch:
+            self.done += 1
+            if self.progress:
+                self.progress(self.done, self.runs)
 
 
 def _first_diff(tokens, alone) -> int | None:
