@@ -7,7 +7,8 @@ from ..core.names import BASE_SCHEDULES, SERIAL
 from ..errors import PromptError
 from .paths import check_output_dir
 
-HELP = "re-run the requests of a live trace (divergence serve) under another schedule: the reference trace"
+HELP = ("re-run the requests of a live trace (divergence serve) under another schedule: the reference trace "
+        "(a trace of serve --engine mlx-lm re-runs on mlx-lm's BatchGenerator, serially, its greedy requests)")
 
 
 def add_arguments(p) -> None:

@@ -7,10 +7,12 @@ import sys
 import threading
 from pathlib import Path
 
+from ..core.names import LOGPROBS
 from ..errors import PromptError
 from .common import add_model_args, default_model_dirs
 from .paths import check_output_dir
 
+ENGINES = ("divergence", "mlx-lm")
 HELP = ("serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this engine, "
         "recording every step of the real traffic into a trace")
 
@@ -24,7 +26,10 @@ def add_arguments(p) -> None:
     p.add_argument("--model-name", metavar="NAME", help="the model id clients send (default: the model "
                    "directory's name)")
     p.add_argument("--policy", default="native", help="kernel policy: native | batch-invariant | threshold:N")
-    p.add_argument("--spec-k", type=int, help="draft tokens per verify (default: 3 with --draft, else 0)")
+    p.add_argument("--spec-k", type=int, help="the most draft tokens per verify (default: 3 with --draft, else 0)")
+    p.add_argument("--spec-fixed", action="store_true", help="propose --spec-k draft tokens every round (default: "
+                   "each round as many, 0 to --spec-k, as give the most tokens per second, from the acceptance "
+                   "so far and the rounds' measured times)")
     p.add_argument("--token-budget", type=int, default=256, help="rows per engine step")
     p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token (the most "
                    "top_logprobs a request may ask for)")
@@ -37,6 +42,10 @@ def add_arguments(p) -> None:
                    "this large (the running requests finish in it first)")
     p.add_argument("--rotate-minutes", type=float, metavar="MIN", help="start a new trace after this long")
     p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
+    p.add_argument("--engine", choices=ENGINES, default="divergence", help="what generates: this engine, or "
+                   "mlx-lm's own BatchGenerator (mlx_lm.server's engine) through the recording adapter, so the "
+                   "live trace is of mlx-lm's engine (no draft, native kernels; --kv-blocks, --token-budget and "
+                   "--prefix-cache are this engine's)")
 
 
 def main(args) -> int:
@@ -50,17 +59,27 @@ def main(args) -> int:
     for flag, v in (("--rotate-mb", args.rotate_mb), ("--rotate-minutes", args.rotate_minutes)):
         if v is not None and v <= 0:
             raise PromptError(f"{flag} must be > 0, got {v}")
+    if args.engine == "mlx-lm":
+        for flag, bad in (("--draft", args.draft), ("--spec-k", args.spec_k), ("--prefix-cache", args.prefix_cache),
+                          ("--spec-fixed", args.spec_fixed), ("--policy", args.policy != "native")):
+            if bad:
+                raise PromptError(f"--engine mlx-lm takes no {flag} (mlx-lm's BatchGenerator batches without a "
+                                  f"draft, on the backend's own kernels)")
     spec_k = args.spec_k if args.spec_k is not None else (3 if args.draft else 0)
     target_dir, draft_dir = default_model_dirs()
     check_output_dir(args.trace_dir, flag="--trace-dir")
     from ..engine.engine import Engine  # (lazy: loads MLX; the parser imports every command)
     from ..workloads.runner import RunConfig  # (lazy: loads numpy and h5py; the parser imports every command)
 
+    mlxlm = args.engine == "mlx-lm"
     cfg = RunConfig(model=args.model or target_dir, draft=(args.draft or draft_dir) if spec_k else None,
                     dtype=args.dtype, policy=args.policy, spec_k=spec_k, token_budget=args.token_budget,
                     top_k=args.top_k, prefix_cache=args.prefix_cache, stop_at_eos=not args.ignore_eos)
-    engine = Engine.from_settings(cfg.settings(), model_dir=cfg.model, draft_dir=cfg.draft,
-                                  num_blocks=args.kv_blocks)
+    settings = cfg.settings()
+    if mlxlm:  # the engine over the model answers the HTTP side's questions; mlx-lm generates
+        settings["topk_values"] = LOGPROBS
+    engine = Engine.from_settings(settings, model_dir=cfg.model, draft_dir=cfg.draft,
+                                  num_blocks=None if mlxlm else args.kv_blocks)
     if engine.top_k > engine.vocab:
         raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({engine.vocab} tokens)")
     return serve(engine, args, model_id=args.model_name or Path(cfg.model).resolve().name)
@@ -82,15 +101,28 @@ def serve(engine, args, *, model_id: str) -> int:
     def recording(path) -> None:
         print(f"divergence serve: recording to {path}", file=sys.stderr, flush=True)
 
-    worker = EngineWorker(engine, args.trace_dir,
+    control = None
+    if engine.draft is not None and not getattr(args, "spec_fixed", False):
+        from ..engine.speculative import AdaptiveDraft  # (lazy: loads numpy; the parser imports every command)
+
+        control = AdaptiveDraft(engine.spec_k)
+    mlxlm = getattr(args, "engine", "divergence") == "mlx-lm"
+    worker_class = EngineWorker
+    if mlxlm:
+        from ..serve.mlxlm import MlxLmWorker  # (lazy: loads mlx-lm; the parser imports every command)
+
+        worker_class = MlxLmWorker
+    worker = worker_class(engine, args.trace_dir,
                           rotate_bytes=int(args.rotate_mb * 1e6) if args.rotate_mb else None,
                           rotate_seconds=args.rotate_minutes * 60 if args.rotate_minutes else None,
-                          kv_hashes=not args.no_kv_hashes, on_segment=recording)
+                          kv_hashes=not args.no_kv_hashes, on_segment=recording, spec_control=control)
     server = Server(engine, worker, model_id=model_id)
     host, port = sock.getsockname()[:2]
     d = engine.draft
     print(f"divergence serve: {model_id} ({engine.target.path}, {engine.target.dtype})"
-          + (f", draft {d.path}, spec k={engine.spec_k}" if d else "") + f", policy {engine.policy}", file=sys.stderr)
+          + (", mlx-lm BatchGenerator" if mlxlm else "")
+          + (f", draft {d.path}, spec k={'up to ' if control else ''}{engine.spec_k}" if d else "")
+          + f", policy {engine.policy}", file=sys.stderr)
     print(f"divergence serve: http://{host}:{port}/v1", file=sys.stderr, flush=True)
     # The engine runs on this (main) thread, the HTTP server on its own: MLX aborts the process
     # at exit after streams ran on another thread. SIGTERM / Ctrl-C: uvicorn finishes the
@@ -119,5 +151,8 @@ def serve(engine, args, *, model_id: str) -> int:
             signal.signal(sig, handler)
     for path in worker.traces:
         print(f"divergence serve: trace {path}", file=sys.stderr)
+    if control is not None and control.chosen:
+        print("divergence serve: draft tokens per round: " + ", ".join(
+            f"{k}: {n} rounds" for k, n in sorted(control.chosen.items())), file=sys.stderr)
     print(f"next: divergence rerun {worker.current_trace} --out traces/rerun", file=sys.stderr)
     return 0

@@ -19,6 +19,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from ..core.names import LOGPROBS
 from ..core.request import Request
 from .live import CANCELLED, STOP, LiveRequest, Sink
 from .openai_schema import CHAT, COMPLETION, DEFAULT_MAX_TOKENS, ApiError, Parsed, parse
@@ -61,6 +62,7 @@ class Generation:
         self.tokens = 0  # generated so far (usage), the end-of-text that ended it included
         e = server.engine
         self.silent = e.eos_ids if e.stop_at_eos else set()  # a stop token has no text (as mlx_lm.server)
+        self.tempered = e.topk_values != LOGPROBS
 
     def add(self, event) -> str:
         if self.detok.stopped:
@@ -68,8 +70,8 @@ class Generation:
         self.tokens += 1
         start = len(self.detok.text.rstrip("\ufffd"))  # where its text begins (after a partial character: at it)
         delta = "" if int(event.token) in self.silent else self.detok.add(event.token)
-        if self.p.logprobs is not None:
-            lp, top = token_logprobs(event, self.p.sampling.temperature)
+        if self.p.logprobs is not None:  # (mlx-lm's engine records the untempered log-probs, and reports them)
+            lp, top = token_logprobs(event, self.p.sampling.temperature if self.tempered else 0.0)
             self.logprobs.append((int(event.token), lp, top[: self.p.logprobs], start))
         return delta
 
@@ -127,7 +129,7 @@ class Server:
         if msg:
             raise ApiError(msg.replace("request 'request': ", ""), param=param, code="context_length_exceeded")
         need = -(-(len(tokens) + max_tokens + e.spec_k + 1) // e.block_size)
-        if need > e.num_blocks:
+        if e.num_blocks and need > e.num_blocks:  # (mlx-lm's caches grow: None)
             raise ApiError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks; "
                            f"this server has {e.num_blocks} (divergence serve --kv-blocks)", param=param,
                            code="context_length_exceeded")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..core.names import BASE_SCHEDULES, SERIAL
+from ..core.names import BASE_SCHEDULES, BATCH_GENERATOR, SERIAL
 from ..core.request import Request
 from ..engine.engine import Engine
 from ..engine.run import Run
@@ -70,15 +70,18 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         meta = live.meta
         recorded, requests, skipped = plan_rerun(live, request_ids)
         kv_hashes = live.has_kv_hashes
+        vocab = live.vocab if meta["settings"].get("engine") == BATCH_GENERATOR else None
+    if meta["settings"].get("engine") == BATCH_GENERATOR:  # served by mlx-lm: its engine is the reference
+        from .mlxlm_rerun import rerun_batch_generator  # (lazy: loads mlx-lm)
+
+        out = _out_dir(out_dir) / f"{schedule}.h5"
+        result = rerun_batch_generator(live_path, meta, vocab, recorded, requests, skipped, out, schedule=schedule,
+                                       chosen=request_ids, model_dir=model_dir)
+        return out, result, skipped
     engine = Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
                                   model_dir=model_dir, draft_dir=draft_dir)
     validate(engine, requests)  # the rules `divergence run` applies
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise DivergenceInputError(f"cannot create --out {out}: {e.strerror or e}") from None
-    path = out / f"{schedule}.h5"
+    path = _out_dir(out_dir) / f"{schedule}.h5"
     tmp = partial_name(path)
     by_id = {r.id: r for r in requests}
     try:
@@ -94,6 +97,15 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         engine.observers = []
     tmp.replace(path)
     return path, result, skipped
+
+
+def _out_dir(out_dir) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DivergenceInputError(f"cannot create --out {out}: {e.strerror or e}") from None
+    return out
 
 
 class CappedRun(Run):

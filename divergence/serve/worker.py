@@ -22,13 +22,14 @@ log = logging.getLogger("divergence.serve")
 
 class EngineWorker:
     def __init__(self, engine, trace_dir, *, rotate_bytes: int | None = None, rotate_seconds: float | None = None,
-                 kv_hashes: bool = True, on_segment=lambda path: None):
+                 kv_hashes: bool = True, on_segment=lambda path: None, spec_control=None):
         self.engine = engine
         self.trace_dir = Path(trace_dir)
         self.rotate_bytes = rotate_bytes
         self.rotate_seconds = rotate_seconds
         self.kv_hashes = kv_hashes
         self.on_segment = on_segment  # called with each new trace's path, once it exists
+        self.spec_control = spec_control  # the draft length's controller, across segments (or None: spec_k)
         self.inbox = Inbox()
         self.traces: list[Path] = []  # every segment written, in order
         self.error: BaseException | None = None
@@ -87,6 +88,23 @@ class EngineWorker:
 
     def _run_segment(self) -> None:
         path = self._next_path()
+        rotate = self._rotation(path)
+        e = self.engine
+        writer = TraceWriter(path, top_k=e.top_k, kv_hashes=self.kv_hashes)
+        deliver = Deliver()
+        e.observers = [writer, deliver]  # before the run: it asks them what to record (KV hashes, kernels, ...)
+        run = LiveRun(e, self.inbox, deliver, writer=writer, rotate=rotate, on_ready=lambda: self._segment_ready(path),
+                      spec_control=self.spec_control)
+        self._deliver = deliver
+        try:
+            with writer:
+                run.execute()
+        finally:
+            e.observers = []
+        log.info("trace %s closed (%d requests)", path, run.taken)
+
+    def _rotation(self, path: Path):
+        """rotate() for a segment starting now: is it due (its age, the file's size)?"""
         started = time.monotonic()
 
         def rotate() -> bool:
@@ -96,25 +114,13 @@ class EngineWorker:
                 return bool(self.rotate_bytes) and path.stat().st_size >= self.rotate_bytes
             except OSError:
                 return False
+        return rotate
 
-        e = self.engine
-        writer = TraceWriter(path, top_k=e.top_k, kv_hashes=self.kv_hashes)
-        deliver = Deliver()
-
-        def ready() -> None:
-            self.traces.append(path)
-            self._ready.set()
-            self.on_segment(path)
-
-        e.observers = [writer, deliver]  # before the run: it asks them what to record (KV hashes, kernels, ...)
-        run = LiveRun(e, self.inbox, deliver, writer=writer, rotate=rotate, on_ready=ready)
-        self._deliver = deliver
-        try:
-            with writer:
-                run.execute()
-        finally:
-            e.observers = []
-        log.info("trace %s closed (%d requests)", path, run.taken)
+    def _segment_ready(self, path: Path) -> None:
+        """The segment's trace exists: the server can name it."""
+        self.traces.append(path)
+        self._ready.set()
+        self.on_segment(path)
 
     def _next_path(self) -> Path:
         self._segment += 1
