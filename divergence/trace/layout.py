@@ -90,73 +90,125 @@ class Commit:
         self.ds.file.flush()
 
 
+# Run-independent files, as bytes: a run whose header is one a recent run had (a bench's
+# repetitions, serial then concurrent of one `divergence run`, a sweep's runs) starts from a
+# copy of it. Making the ~35 HDF5 objects costs ~18 ms a trace on this machine (the flush
+# thread's, but on a 2-core CPU that is the engine's time too); copying and reopening, ~3 ms.
+_SKELETONS: dict[tuple, tuple[object, bytes]] = {}  # key -> (the vocab list it holds, file bytes)
+MAX_SKELETONS = 4  # (a 152k vocabulary's skeleton is ~1.5 MB)
+
+
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
            widths: dict, dtypes: dict[str, np.dtype]) -> tuple[h5py.File, dict, "Commit"]:
     """A new trace file in SWMR mode with every table created, of the record `dtypes` the
     writer encodes into (schema.record_dtype at `widths`): (file, tables, commit).
     Made under a temporary name and renamed once in SWMR mode, so that a reader never
-    opens it half made (HDF5 refuses that file with a lock error)."""
+    opens it half made (HDF5 refuses that file with a lock error). Everything but the
+    `created` time is the skeleton's (see _SKELETONS): the same header always gives a file
+    that reads the same, whether it was built here or copied."""
+    args = dict(top_k=top_k, kv_hashes=kv_hashes, kv_hash=kv_hash, codes=codes, widths=widths, dtypes=dtypes)
+    key = _skeleton_key(info, args)
     tmp = temp_name(path, "new")  # unique: two writers of one path never share it
-    f = h5py.File(tmp, "w", libver="latest")
+    f = None
     try:
-        f.attrs["format"] = S.FORMAT
-        f.attrs["schema_version"] = S.SCHEMA_VERSION
+        got = _SKELETONS.get(key)
+        if got is None or got[0] is not info.vocab:  # (the vocabulary is keyed by identity: held here)
+            got = _SKELETONS[key] = (info.vocab, _skeleton(temp_name(path, "skel"), info, args))
+            while len(_SKELETONS) > MAX_SKELETONS:
+                _SKELETONS.pop(next(iter(_SKELETONS)))
+        tmp.write_bytes(got[1])
+        f = h5py.File(tmp, "r+", libver="latest")
         f.attrs["created"] = datetime.now(timezone.utc).isoformat()
-        f.attrs["schedule"] = info.schedule
-        f.attrs["policy"] = info.policy
-        f.attrs["top_k"] = top_k
-        f.attrs["kv_hashes"] = bool(kv_hashes)
-        f.attrs["kv_hash"] = kv_hash
-        for key, names in codes.items():
-            f.attrs[key] = list(names)
-        f.attrs["widths"] = _json(widths)
-        meta = f.create_group(S.META)
-        meta.attrs["settings"] = _json(info.settings)
-        meta.attrs["model"] = _json(info.model)
-        meta.attrs["draft"] = _json(info.draft)
-        meta.attrs["environment"] = _json(info.environment)
-        status = f.create_dataset(S.STATUS, data=np.zeros(1, np.int8))
-        status.attrs["description"] = "1 when the run completed; 0 while running or if it was killed"
-        _write_requests(f, info.requests)
-        if info.vocab:
-            # bytes + offsets, not vlen strings: token text may hold NUL characters
-            pieces = [p.encode("utf-8", "surrogatepass") for p in info.vocab]
-            g = f.create_group(S.VOCAB)
-            g.attrs["description"] = "token i's text (decoded alone) is bytes[offsets[i]:offsets[i+1]], utf-8"
-            raw = np.frombuffer(b"".join(pieces), np.uint8)
-            offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
-            for name, data in (("bytes", raw), ("offsets", offsets)):  # ~2.5 MB raw for a 152k vocabulary
-                g.create_dataset(name, data=data, chunks=(max(1, min(len(data), 1 << 16)),), **S.COMPRESSION)
+        f.swmr_mode = True  # no new objects or attributes from here on (before the opens: cheaper)
+        tails = h5py.h5g.open(f.id, S.TAILS.encode())
         tables = {}
-        tails = f.create_group(S.TAILS)
         for name in S.TABLES:
             dt = dtypes[name]
-            rows = max(16, S.CHUNK_BYTES // dt.itemsize)
-            tid = h5py.h5t.py_create(dt, logical=True)
-            body = _dataset(f, name, tid, (0,), (h5py.h5s.UNLIMITED,), (rows,), compress=True)
-            # small tail chunks: only what a tail holds gets file space (a closed file keeps it)
-            tail = _dataset(tails, name, tid, (2, rows), (2, rows), (1, max(1, rows // 8)), compress=False)
-            tables[name] = TableFile(body, tail, rows, dt)
-        f.attrs["tables"] = _json({name: {"description": t.description,
-                                          "columns": {c: col.description for c, col in t.columns.items()}}
-                                   for name, t in S.TABLES.items()})
-        f.attrs["commit_tables"] = list(tables)
-        # chunked, not contiguous: a contiguous dataset's reads can come from the file's sieve buffer,
-        # which refreshing the dataset does not drop (a live reader then saw stale commits)
-        shape = (1 + len(tables), 3)
-        commit = Commit(f.create_dataset(S.COMMIT, data=np.zeros(shape, np.int64), chunks=shape), tables)
-        f.swmr_mode = True  # no new objects or attributes from here on
+            body = h5py.Dataset(h5py.h5d.open(f.id, name.encode()))
+            tail = h5py.Dataset(h5py.h5d.open(tails, name.encode()))
+            tables[name] = TableFile(body, tail, _chunk_rows(dt), dt)
+        commit = Commit(h5py.Dataset(h5py.h5d.open(f.id, S.COMMIT.encode())), tables)
         f.flush()
         os.replace(tmp, path)
     except BaseException:
         from .writer import close_or_abandon  # (lazy: a cycle: writer imports layout)
 
-        # a full disk: h5py's close of it would crash later
-
-        close_or_abandon(f)
+        if f is not None:  # a full disk: h5py's close of it would crash later
+            close_or_abandon(f)
         tmp.unlink(missing_ok=True)
         raise
     return f, tables, commit
+
+
+def _skeleton_key(info, args: dict) -> tuple:
+    reqs = tuple((r.id, tuple(r.prompt_tokens), r.arrival, r.max_tokens, r.sampling.temperature, r.sampling.top_p,
+                  r.sampling.seed) for r in info.requests)
+    dtypes = tuple((n, str(d.descr), d.itemsize) for n, d in args["dtypes"].items())
+    header = _json([info.schedule, info.policy, info.settings, info.model, info.draft, info.environment,
+                    {k: v for k, v in args.items() if k != "dtypes"}])
+    return header, dtypes, reqs, id(info.vocab), len(info.vocab)
+
+
+def _chunk_rows(dt: np.dtype) -> int:
+    return max(16, S.CHUNK_BYTES // dt.itemsize)
+
+
+def _skeleton(tmp: Path, info, args: dict) -> bytes:
+    """The bytes of a closed file holding the run's whole header and its empty tables."""
+    try:
+        with h5py.File(tmp, "w", libver="latest") as f:
+            _fill(f, info, **args)
+        return tmp.read_bytes()
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fill(f: h5py.File, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict, widths: dict,
+          dtypes: dict[str, np.dtype]) -> None:
+    f.attrs["format"] = S.FORMAT
+    f.attrs["schema_version"] = S.SCHEMA_VERSION
+    f.attrs["created"] = datetime.now(timezone.utc).isoformat()
+    f.attrs["schedule"] = info.schedule
+    f.attrs["policy"] = info.policy
+    f.attrs["top_k"] = top_k
+    f.attrs["kv_hashes"] = bool(kv_hashes)
+    f.attrs["kv_hash"] = kv_hash
+    for key, names in codes.items():
+        f.attrs[key] = list(names)
+    f.attrs["widths"] = _json(widths)
+    meta = f.create_group(S.META)
+    meta.attrs["settings"] = _json(info.settings)
+    meta.attrs["model"] = _json(info.model)
+    meta.attrs["draft"] = _json(info.draft)
+    meta.attrs["environment"] = _json(info.environment)
+    status = f.create_dataset(S.STATUS, data=np.zeros(1, np.int8))
+    status.attrs["description"] = "1 when the run completed; 0 while running or if it was killed"
+    _write_requests(f, info.requests)
+    if info.vocab:
+        # bytes + offsets, not vlen strings: token text may hold NUL characters
+        pieces = [p.encode("utf-8", "surrogatepass") for p in info.vocab]
+        g = f.create_group(S.VOCAB)
+        g.attrs["description"] = "token i's text (decoded alone) is bytes[offsets[i]:offsets[i+1]], utf-8"
+        raw = np.frombuffer(b"".join(pieces), np.uint8)
+        offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
+        for name, data in (("bytes", raw), ("offsets", offsets)):  # ~2.5 MB raw for a 152k vocabulary
+            g.create_dataset(name, data=data, chunks=(max(1, min(len(data), 1 << 16)),), **S.COMPRESSION)
+    tails = f.create_group(S.TAILS)
+    for name in S.TABLES:
+        dt = dtypes[name]
+        rows = _chunk_rows(dt)
+        tid = h5py.h5t.py_create(dt, logical=True)
+        _dataset(f, name, tid, (0,), (h5py.h5s.UNLIMITED,), (rows,), compress=True)
+        # small tail chunks: only what a tail holds gets file space (a closed file keeps it)
+        _dataset(tails, name, tid, (2, rows), (2, rows), (1, max(1, rows // 8)), compress=False)
+    f.attrs["tables"] = _json({name: {"description": t.description,
+                                      "columns": {c: col.description for c, col in t.columns.items()}}
+                               for name, t in S.TABLES.items()})
+    f.attrs["commit_tables"] = list(S.TABLES)
+    # chunked, not contiguous: a contiguous dataset's reads can come from the file's sieve buffer,
+    # which refreshing the dataset does not drop (a live reader then saw stale commits)
+    shape = (1 + len(S.TABLES), 3)
+    f.create_dataset(S.COMMIT, data=np.zeros(shape, np.int64), chunks=shape)
 
 
 def _dataset(parent: h5py.Group, name: str, tid, shape, maxshape, chunks, *, compress: bool) -> h5py.Dataset:
