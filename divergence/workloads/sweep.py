@@ -21,6 +21,7 @@ was in, as the run's step plans say.
 """
 from __future__ import annotations
 
+import heapq
 import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -43,8 +44,8 @@ FILLERS = [
     "Decode the object using the codec registered for encoding.",
 ]
 
-FILLER_SHARE = 0.25  # chance that a lane's next request is a filler: co-traffic that is not the needle
-SEGMENT_NEEDLES = (2, 5)  # a segment lasts this many needle lifetimes (drawn per segment)
+FILLER_SHARE = 0.1  # chance that a lane's next request is a filler (other needles are co-traffic too; rows cost time)
+SEGMENT_NEEDLES = (4, 8)  # a segment lasts this many needle lifetimes (drawn per segment)
 # KV positions one engine.run may reserve (a run reserves every request's whole length at
 # admission, all requests at once): a longer stream runs as several runs, split between segments
 STREAM_TOKENS = 1 << 18
@@ -96,7 +97,7 @@ def sweep(engine, prompt: str, *, runs: int = 20, max_batch: int = 8, max_tokens
     alone_run = engine.run([Request("needle", needle, max_tokens=max_tokens)], "concurrent")
     alone = alone_run.outputs["needle"].tokens
     fillers = filler_lengths(engine, max_tokens) if max_batch > 1 else []
-    chunks = plan_stream(rng, runs, max_batch, needle, max(1, alone_run.target_steps), fillers, max_tokens)
+    chunks = plan_stream(rng, runs, max_batch, needle, max(1, alone_run.target_steps), fillers, max_tokens).chunks
     watch = _Watch(runs, progress)
     engine.observers.append(watch)
     outs, steps = {}, 0
@@ -135,50 +136,106 @@ def filler_lengths(engine, max_tokens: int) -> list[tuple[tuple[int, ...], int]]
     return [(p, max(1, len(res.outputs[f"p{i}"].tokens))) for i, p in enumerate(prompts)]
 
 
+@dataclass
+class Stream:
+    """A planned stream: its requests, as chunks of one engine.run each (arrivals are engine
+    steps from the chunk's start), and each chunk's segments (start, end, batch), likewise."""
+
+    chunks: list[list[Request]]
+    segments: list[list[tuple[int, int, int]]]
+
+
 def plan_stream(rng: random.Random, runs: int, max_batch: int, needle: tuple[int, ...], needle_life: int,
-                fillers: list, max_tokens: int) -> list[list[Request]]:
-    """The stream's requests, as chunks of one engine.run each. needle_life: the steps a
-    needle is in (its run alone's); fillers: (tokens, natural length) to draw from.
-    Needles are n0..n{runs-1}, fillers f0, f1, ...; arrivals are engine steps."""
+                fillers: list, max_tokens: int) -> Stream:
+    """needle_life: the steps a needle is in (its run alone's); fillers: (tokens, natural
+    length) to draw from. Needles are n0..n{runs-1} in arrival order, fillers f0, f1, ...
+
+    Lane k is busy in the segments whose batch is > k. A lane that stays busy from one
+    segment into the next keeps its chain going (no idle steps at the boundary); a request
+    ends before its lane's busy span does, so a step holds at most its segment's batch."""
+    plan = _Segments(rng, max_batch, needle_life)
     chunks: list[list[Request]] = []
     cur: list[Request] = []
-    reserved = 0
-    base = clock = 0  # base: the current chunk's first step
-    made = nf = 0
+    segs: list[list[tuple[int, int, int]]] = [[]]
+    free: dict[int, int] = {}  # lane -> the step its chain is free from (lanes busy into this segment)
+    made = nf = reserved = last = 0  # last: the step the latest planned request ends
+    base = 0  # the current chunk's first step
     low = min(8, max_tokens)  # shortest filler drawn (as the per-run sweep drew them)
+    j = 0
     while made < runs:
-        b = rng.randint(1, max_batch)
-        end = clock + needle_life * rng.randint(*SEGMENT_NEEDLES)
+        start, end, b = plan.get(j)
+        closing = reserved >= STREAM_TOKENS // 2  # this segment ends the chunk: no lane runs past it
+        heap = []
+        for k in range(b):
+            t = free.get(k)
+            if t is None:  # a lane joining: staggered (lane 0 at once: no idle step), so needles are at other positions
+                t = start + (rng.randrange(needle_life) if k else 0)
+            if t < end:
+                heapq.heappush(heap, (t, k))
+        free = {k: t for k, t in free.items() if k < b and t >= end}  # a request spans this whole segment
         seg: list[Request] = []
-        for lane in range(b):
-            # lanes start staggered (lane 0 at once: no idle step), so needles are at other positions
-            t = clock + (rng.randrange(needle_life) if lane else 0)
-            while made < runs:
-                if b > 1 and fillers and rng.random() < FILLER_SHARE:
-                    tokens, natural = rng.choice(fillers)
-                    n = min(rng.randint(low, max_tokens), end - t)  # a filler ends with its segment
-                    if n < 1:
-                        break
-                    seg.append(Request(f"f{nf}", tokens, max_tokens=n, arrival=t))
-                    nf += 1
-                    t += min(n, natural)
-                else:
-                    if t + needle_life > end:
-                        break
-                    seg.append(Request(f"n{made}", needle, max_tokens=max_tokens, arrival=t))
-                    made += 1
-                    t += needle_life
-        if not seg:  # (a segment too short for anything: draw another)
-            continue
-        cost = sum(len(r.prompt_tokens) + r.max_tokens + 1 for r in seg)
-        if cur and reserved + cost > STREAM_TOKENS:
-            chunks.append(cur)
-            cur, reserved, base = [], 0, clock
+        while heap and made < runs:
+            t, k = heapq.heappop(heap)
+            until = end if closing else plan.busy_until(j, k, t + max(needle_life, max_tokens))
+            if b > 1 and fillers and rng.random() < FILLER_SHARE:
+                tokens, natural = rng.choice(fillers)
+                n = min(rng.randint(low, max_tokens), until - t)  # a filler ends with its lane's busy span
+                seg.append(Request(f"f{nf}", tokens, max_tokens=n, arrival=t))
+                nf += 1
+                t += min(n, natural)
+                last = max(last, t)
+            elif t + needle_life <= until:
+                seg.append(Request(f"n{made}", needle, max_tokens=max_tokens, arrival=t))
+                made += 1
+                t += needle_life
+                last = max(last, t)
+            else:
+                t = until  # no needle fits before the lane stops: it idles
+            if t < end:
+                heapq.heappush(heap, (t, k))
+            elif t < until:
+                free[k] = t  # busy into the next segment
+        for t, k in heap:
+            free.setdefault(k, t)
+        reserved += sum(len(r.prompt_tokens) + r.max_tokens + 1 for r in seg)
         cur += [replace(r, arrival=r.arrival - base) for r in seg]
-        reserved += cost
-        clock = end
-    chunks.append(cur)
-    return [sorted(c, key=lambda r: (r.arrival, r.id)) for c in chunks]
+        segs[-1].append((start - base, end - base, b))
+        j += 1
+        if closing or made == runs:
+            while plan.get(j)[0] < last:  # segments this chunk's last requests run into
+                start, end, b = plan.get(j)
+                segs[-1].append((start - base, end - base, b))
+                j += 1
+            chunks.append(cur)
+            segs.append([])
+            cur, reserved, base, free = [], 0, plan.get(j)[0], {}
+    return Stream([sorted(c, key=lambda r: (r.arrival, r.id)) for c in chunks], segs[:-1])
+
+
+class _Segments:
+    """The stream's segments, drawn as the planner reaches them: (start, end, batch)."""
+
+    def __init__(self, rng: random.Random, max_batch: int, needle_life: int):
+        self.rng, self.max_batch, self.life = rng, max_batch, needle_life
+        self.segs: list[tuple[int, int, int]] = []
+
+    def get(self, j: int) -> tuple[int, int, int]:
+        while len(self.segs) <= j:
+            start = self.segs[-1][1] if self.segs else 0
+            self.segs.append((start, start + self.life * self.rng.randint(*SEGMENT_NEEDLES),
+                              self.rng.randint(1, self.max_batch)))
+        return self.segs[j]
+
+    def busy_until(self, j: int, lane: int, need: int) -> int:
+        """The step lane `lane` stops being busy, from segment j on (looked up to `need`)."""
+        end = self.get(j)[1]
+        while end < need:
+            j += 1
+            start, nxt, b = self.get(j)
+            if lane >= b:
+                break
+            end = nxt
+        return end
 
 
 class _Watch(Observer):

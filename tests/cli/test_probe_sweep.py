@@ -88,3 +88,195 @@ def test_sweep_counts_unique_completions(capsys):
                  "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["runs"] == 4 and r["unique_completions"] == 1 and r["counts"] == [4]
+    assert r["stream"]["engine_runs"] == 1 and len(r["batch_sizes"]) == 4 and max(r["batch_sizes"]) <= 4
+
+
+# -- the sweep's stream -----------------------------------------------------------------------
+
+FILLER_LIVES = [(12, 48), (19, 29), (20, 48), (21, 1), (16, 1), (32, 48), (21, 1), (17, 48)]
+
+
+def _lives(chunk, needle_life, natural):
+    return [(r, needle_life if r.id.startswith("n") else min(r.max_tokens, natural[r.prompt_tokens])) for r in chunk]
+
+
+def _occupancy(chunk, needle_life, natural) -> dict:
+    occ: dict[int, int] = {}
+    for r, life in _lives(chunk, needle_life, natural):
+        for c in range(r.arrival, r.arrival + life):
+            occ[c] = occ.get(c, 0) + 1
+    return occ
+
+
+def _plan(seed, runs, max_batch, needle_life=11, max_tokens=48):
+    import random
+
+    from divergence.workloads.sweep import plan_stream
+
+    fillers = [(tuple([i + 2] * p), n) for i, (p, n) in enumerate(FILLER_LIVES)]
+    stream = plan_stream(random.Random(seed), runs, max_batch, (1,) * 5, needle_life, fillers, max_tokens)
+    return stream, dict(fillers)
+
+
+def _within_segments(stream, natural, needle_life=11):
+    """Each step holds at most its segment's batch."""
+    for chunk, segs in zip(stream.chunks, stream.segments):
+        occ = _occupancy(chunk, needle_life, natural)
+        assert segs[0][0] == 0 and all(a[1] == b[0] for a, b in zip(segs, segs[1:]))
+        for start, end, b in segs:
+            assert all(occ.get(c, 0) <= b for c in range(start, end)), (start, end, b)
+        assert max(occ) < segs[-1][1]
+
+
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_stream_plans_every_needle_once_and_never_more_than_max_batch_a_step(max_batch):
+    for seed in range(4):
+        stream, natural = _plan(seed, 300, max_batch)
+        chunks = stream.chunks
+        _within_segments(stream, natural)
+        ids = [r.id for c in chunks for r in c]
+        needles = [i for i in ids if i.startswith("n")]
+        assert sorted(needles) == sorted(f"n{i}" for i in range(300)) and len(set(ids)) == len(ids)
+        assert all(c == sorted(c, key=lambda r: r.arrival) for c in chunks)
+        occ = _occupancy(chunks[0], 11, natural)
+        assert max(occ.values()) <= max_batch
+        if max_batch == 1:
+            assert ids == needles and set(occ.values()) == {1}
+        else:
+            assert len(ids) > len(needles)  # co-batched traffic
+            assert len(set(occ.values())) >= max_batch - 1  # batch sizes vary over the stream
+        arrivals = sorted(r.arrival for r in chunks[0] if r.id.startswith("n"))
+        assert len(set(arrivals)) > 0.7 * len(arrivals)  # staggered, mostly distinct steps
+
+
+def test_stream_is_seeded():
+    a, b, c = (_plan(seed, 100, 8)[0].chunks for seed in (7, 7, 8))
+    assert a == b and a != c
+
+
+def test_a_long_stream_runs_as_bounded_chunks(monkeypatch):
+    import divergence.workloads.sweep as sw
+
+    monkeypatch.setattr(sw, "STREAM_TOKENS", 4000)
+    stream, natural = _plan(0, 300, 6)
+    chunks = stream.chunks
+    _within_segments(stream, natural)
+    assert len(chunks) > 2
+    needles = [r.id for c in chunks for r in c if r.id.startswith("n")]
+    assert sorted(needles) == sorted(f"n{i}" for i in range(300))
+    for c in chunks:
+        assert min(r.arrival for r in c) == 0
+        assert max(_occupancy(c, 11, natural).values()) <= 6
+        assert sum(len(r.prompt_tokens) + r.max_tokens + 1 for r in c) < 4000 + 6 * 8 * 11 * (5 + 48 + 1)
+
+
+class _FakeEngine:
+    """Needles arriving at a step = 1 mod 3 get another third token: the sweep's bookkeeping
+    of counts, first differences and batch sizes, without a model."""
+
+    policy = "fake"
+
+    def __init__(self):
+        self.observers = []
+
+    def encode(self, text):
+        return [1, 2, 3]
+
+    def decode(self, tokens):
+        return " ".join(map(str, tokens))
+
+    def run(self, reqs, schedule):
+        from types import SimpleNamespace
+
+        from divergence.core.events import TARGET, SeqSlice, StepEvent, StepPlan
+
+        outs = {}
+        for r in reqs:
+            toks = [5, 6, 7, 8][: r.max_tokens]
+            if r.id.startswith("n") and r.arrival % 3 == 1:
+                toks = [5, 6, 9, 8]
+            outs[r.id] = SimpleNamespace(tokens=toks, text=self.decode(toks))
+        plan = StepPlan(0, TARGET, tuple(SeqSlice(r.id, "decode", 0, 1, i, (1,)) for i, r in enumerate(reqs)))
+        for ob in self.observers:
+            ob.on_step(StepEvent(plan, 0.0))
+            for r in reqs:
+                ob.on_request(SimpleNamespace(kind="finished", request_id=r.id))
+        return SimpleNamespace(outputs=outs, target_steps=4)
+
+
+def test_sweep_reports_counts_first_differences_and_batches():
+    from divergence.workloads.sweep import sweep
+
+    eng = _FakeEngine()
+    done = []
+    r = sweep(eng, "x", runs=30, max_batch=4, max_tokens=4, seed=3, progress=lambda i, n: done.append((i, n)))
+    assert done[-1] == (30, 30) and eng.observers == []
+    assert r.unique == 2 and sum(r.counts) == 30 and r.reference_tokens == [5, 6, 7, 8]
+    odd = r.counts[r.diverge_at.index(2)]
+    assert r.first_difference == {2: odd} and 0 < odd < 30
+    assert sorted(r.diverge_at, key=str) == [2, None]
+    assert r.tails[r.diverge_at.index(2)] == "5 6 9 8"  # from 4 tokens before the difference
+    # one fake step holds the whole chunk: each needle saw all of its requests
+    assert r.batch_sizes == [30 + r.fillers] * 30 and r.engine_runs == 1
+    j = r.to_json()
+    assert j["first_difference"] == {"2": odd} and j["stream"]["fillers"] == r.fillers
+
+
+def test_batch_invariant_stream_gives_one_completion_in_batches_the_plan_predicted(target):
+    """batch-invariant kernels: every needle of a stream of varied batches gets the text of
+    the needle alone, on any CPU; and the batch each needle saw (from the run's step plans)
+    is the one the planner laid out (lengths hold exactly under batch-invariant)."""
+    import random
+
+    from divergence.engine.engine import Engine
+    from divergence.workloads.sweep import filler_lengths, plan_stream, sweep
+
+    eng = Engine(target, policy="batch-invariant")
+    prompt = "Return the number of"
+    r = sweep(eng, prompt, runs=40, max_batch=6, max_tokens=16, seed=1)
+    assert r.unique == 1 and r.counts == [40] and r.diverge_at == [None] and r.first_difference == {}
+    assert r.engine_runs == 1 and r.fillers > 0 and eng.observers == []
+    assert max(r.batch_sizes) <= 6 and len(set(r.batch_sizes)) >= 3
+    # the planner's prediction, from the same inputs the sweep used
+    needle = tuple(eng.encode(prompt))
+    from divergence.core.request import Request
+
+    life = eng.run([Request("needle", needle, max_tokens=16)], "concurrent").target_steps
+    fillers = filler_lengths(eng, 16)
+    (chunk,) = plan_stream(random.Random(1), 40, 6, needle, life, fillers, 16).chunks
+    natural = dict(fillers)
+    occ = _occupancy(chunk, life, natural)
+    want = {rq.id: max(occ[c] for c in range(rq.arrival, rq.arrival + life)) for rq in chunk if rq.id.startswith("n")}
+    assert r.batch_sizes == [want[f"n{i}"] for i in range(40)]
+
+
+def test_native_stream_counts_every_run(target):
+    from divergence.engine.engine import Engine
+    from divergence.workloads.sweep import sweep
+
+    r = sweep(Engine(target, policy="native"), "Return the number of", runs=12, max_batch=4, max_tokens=12)
+    assert r.unique >= 1 and sum(r.counts) == 12 and len(r.completions) == r.unique
+    assert len(r.batch_sizes) == 12 and 1 <= min(r.batch_sizes) and max(r.batch_sizes) <= 4 + 1
+
+
+def test_sweep_with_max_batch_1_runs_each_needle_alone(target):
+    from divergence.engine.engine import Engine
+    from divergence.workloads.sweep import sweep
+
+    r = sweep(Engine(target, policy="threshold:4"), "Return the number of", runs=5, max_batch=1, max_tokens=8)
+    assert r.batch_sizes == [1] * 5 and r.fillers == 0 and r.unique == 1
+
+
+def test_sweep_cli_text_names_the_stream(capsys):
+    assert main(["sweep", "-n", "6", "--max-tokens", "8", "--max-batch", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "6 runs of 'Return the number of'" in out and "one stream: 6 needles + " in out
+
+
+@pytest.mark.parametrize("args, needle", [(["-n", "0"], "-n >= 1"), (["--prompt", ""], "non-empty --prompt"),
+                                          (["--max-batch", "1025"], "1..1024")])
+def test_sweep_bad_input_is_one_line_and_2(capsys, args, needle):
+    capsys.readouterr()
+    rc = main(["sweep", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and needle in err[0], err
