@@ -45,7 +45,10 @@ FILLERS = [
 ]
 
 FILLER_SHARE = 0.1  # chance that a lane's next request is a filler (other needles are co-traffic too; rows cost time)
-SEGMENT_NEEDLES = (4, 8)  # a segment lasts this many needle lifetimes (drawn per segment)
+# a segment lasts 1..S needle lifetimes (drawn per segment), S <= SEGMENT_NEEDLES and small
+# enough that a short sweep still spans about SEGMENTS segments (batch sizes) rather than one
+SEGMENT_NEEDLES = 4
+SEGMENTS = 16
 # KV positions one engine.run may reserve (a run reserves every request's whole length at
 # admission, all requests at once): a longer stream runs as several runs, split between segments
 STREAM_TOKENS = 1 << 18
@@ -153,7 +156,9 @@ def plan_stream(rng: random.Random, runs: int, max_batch: int, needle: tuple[int
     Lane k is busy in the segments whose batch is > k. A lane that stays busy from one
     segment into the next keeps its chain going (no idle steps at the boundary); a request
     ends before its lane's busy span does, so a step holds at most its segment's batch."""
-    plan = _Segments(rng, max_batch, needle_life)
+    per_segment = (max_batch + 1) / 2 * (1 - FILLER_SHARE)  # needles a segment of one needle lifetime holds
+    longest = max(1, min(SEGMENT_NEEDLES, int(2 * runs / (SEGMENTS * per_segment)) - 1))
+    plan = _Segments(rng, max_batch, needle_life, longest)
     chunks: list[list[Request]] = []
     cur: list[Request] = []
     segs: list[list[tuple[int, int, int]]] = [[]]
@@ -193,8 +198,8 @@ def plan_stream(rng: random.Random, runs: int, max_batch: int, needle: tuple[int
                 t = until  # no needle fits before the lane stops: it idles
             if t < end:
                 heapq.heappush(heap, (t, k))
-            elif t < until:
-                free[k] = t  # busy into the next segment
+            else:
+                free[k] = t  # the lane's next request (if it is still busy then) starts there
         for t, k in heap:
             free.setdefault(k, t)
         reserved += sum(len(r.prompt_tokens) + r.max_tokens + 1 for r in seg)
@@ -215,14 +220,14 @@ def plan_stream(rng: random.Random, runs: int, max_batch: int, needle: tuple[int
 class _Segments:
     """The stream's segments, drawn as the planner reaches them: (start, end, batch)."""
 
-    def __init__(self, rng: random.Random, max_batch: int, needle_life: int):
-        self.rng, self.max_batch, self.life = rng, max_batch, needle_life
+    def __init__(self, rng: random.Random, max_batch: int, needle_life: int, longest: int):
+        self.rng, self.max_batch, self.life, self.longest = rng, max_batch, needle_life, longest
         self.segs: list[tuple[int, int, int]] = []
 
     def get(self, j: int) -> tuple[int, int, int]:
         while len(self.segs) <= j:
             start = self.segs[-1][1] if self.segs else 0
-            self.segs.append((start, start + self.life * self.rng.randint(*SEGMENT_NEEDLES),
+            self.segs.append((start, start + self.life * self.rng.randint(1, self.longest),
                               self.rng.randint(1, self.max_batch)))
         return self.segs[j]
 

@@ -128,23 +128,25 @@ def _within_segments(stream, natural, needle_life=11):
         assert max(occ) < segs[-1][1]
 
 
-@pytest.mark.parametrize("max_batch", [1, 3, 8])
-def test_stream_plans_every_needle_once_and_never_more_than_max_batch_a_step(max_batch):
-    for seed in range(4):
-        stream, natural = _plan(seed, 300, max_batch)
+@pytest.mark.parametrize("max_batch, runs, needle_life", [(1, 300, 11), (3, 300, 11), (8, 300, 11), (8, 1000, 11),
+                                                        (8, 40, 30)])
+def test_stream_plans_every_needle_once_and_never_more_than_max_batch_a_step(max_batch, runs, needle_life):
+    for seed in range(6):
+        stream, natural = _plan(seed, runs, max_batch, needle_life)
         chunks = stream.chunks
-        _within_segments(stream, natural)
+        _within_segments(stream, natural, needle_life)
         ids = [r.id for c in chunks for r in c]
         needles = [i for i in ids if i.startswith("n")]
-        assert sorted(needles) == sorted(f"n{i}" for i in range(300)) and len(set(ids)) == len(ids)
+        assert sorted(needles) == sorted(f"n{i}" for i in range(runs)) and len(set(ids)) == len(ids)
         assert all(c == sorted(c, key=lambda r: r.arrival) for c in chunks)
-        occ = _occupancy(chunks[0], 11, natural)
+        occ = _occupancy(chunks[0], needle_life, natural)
         assert max(occ.values()) <= max_batch
         if max_batch == 1:
             assert ids == needles and set(occ.values()) == {1}
         else:
             assert len(ids) > len(needles)  # co-batched traffic
-            assert len(set(occ.values())) >= max_batch - 1  # batch sizes vary over the stream
+            assert len(set(occ.values())) >= (max_batch - 1 if runs >= 300 else 3)  # batch sizes vary
+            assert len(stream.segments[0]) >= 6  # a short sweep too
         arrivals = sorted(r.arrival for r in chunks[0] if r.id.startswith("n"))
         assert len(set(arrivals)) > 0.7 * len(arrivals)  # staggered, mostly distinct steps
 
