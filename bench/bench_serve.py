@@ -5,9 +5,11 @@ same client load, with and without a draft model.
     python bench/bench_serve.py                    # 32 requests x 64 tokens, prompts 8-256 tokens, 5 reps
     python bench/bench_serve.py --target DIR --draft DIR --requests 64 --concurrency 16
 
-The script starts the four servers itself on free ports of 127.0.0.1 (mlx_lm.server and
-divergence serve, each without and with --draft / --draft-model, 3 draft tokens on both) and
-stops them at the end. One async client (httpx, in this process) sends the load: --requests
+The script starts the servers itself on free ports of 127.0.0.1 (mlx_lm.server without and
+with --draft-model; divergence serve without a draft, with --draft as it serves by default
+(up to 3 draft tokens a round, as many as pay: mode `draft`) and with --spec-fixed (always
+3: mode `draft-fixed`); 3 draft tokens on mlx_lm.server) and stops them at the end. Both
+draft modes are compared with the one mlx_lm.server --draft-model run. One async client (httpx, in this process) sends the load: --requests
 completions, at most --concurrency in flight, prompts of mixed lengths (windows of real
 text, drawn per request), all streamed (SSE, stream_options.include_usage), temperature 0,
 the same max_tokens. Both sides generate exactly max_tokens: divergence serve runs with
@@ -46,7 +48,13 @@ import numpy as np
 
 from divergence.parallel.launch import free_ports
 
-GOAL = {"plain": 1.0, "draft": 1.5}
+GOAL = {"plain": 1.0, "draft": 1.5, "draft-fixed": 1.5}
+MODES = ("plain", "draft", "draft-fixed")  # draft: divergence serve's default (the draft length adapts); draft-fixed: --spec-fixed
+
+
+def mlx_mode(mode: str) -> str:
+    """The mlx_lm.server run a divergence mode is compared with (both draft modes: --draft-model)."""
+    return "draft" if mode.startswith("draft") else mode
 SPEC_K = 3
 START_TIMEOUT_S = 180
 REQUEST_TIMEOUT_S = 600
@@ -102,17 +110,18 @@ class Server:
 def servers(target: Path, draft: Path, work: Path, eos: int) -> list[Server]:
     py = sys.executable
     out = []
-    for mode in ("plain", "draft"):
-        d = mode == "draft"
-        mlx = [py, "-m", "mlx_lm.server", "--model", str(target), "--host", "127.0.0.1", "--log-level", "WARNING"]
-        if d:
-            mlx += ["--draft-model", str(draft), "--num-draft-tokens", str(SPEC_K)]
-        out.append(Server("mlx-lm", mode, mlx, "default_model", work / f"mlx-{mode}.log",
-                          extra={"logit_bias": {str(eos): -1e9}}))
+    for mode in MODES:
+        d = mode != "plain"
+        if mode == mlx_mode(mode):
+            mlx = [py, "-m", "mlx_lm.server", "--model", str(target), "--host", "127.0.0.1", "--log-level", "WARNING"]
+            if d:
+                mlx += ["--draft-model", str(draft), "--num-draft-tokens", str(SPEC_K)]
+            out.append(Server("mlx-lm", mode, mlx, "default_model", work / f"mlx-{mode}.log",
+                              extra={"logit_bias": {str(eos): -1e9}}))
         div = [py, "-m", "divergence", "serve", "--model", str(target), "--host", "127.0.0.1", "--ignore-eos",
                "--trace-dir", str(work / f"live-{mode}")]
         if d:
-            div += ["--draft", str(draft), "--spec-k", str(SPEC_K)]
+            div += ["--draft", str(draft), "--spec-k", str(SPEC_K)] + (["--spec-fixed"] if mode == "draft-fixed" else [])
         out.append(Server("divergence", mode, div, target.resolve().name, work / f"divergence-{mode}.log"))
     return out
 
@@ -192,7 +201,8 @@ def main() -> int:
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int)
     ap.add_argument("--reps", type=int)
-    ap.add_argument("--modes", default="plain,draft", help="plain, draft or both")
+    ap.add_argument("--modes", default="plain,draft,draft-fixed", help="plain, draft (divergence serve's default: "
+                    "the draft length adapts), draft-fixed (--spec-fixed: always 3), comma-separated")
     ap.add_argument("--out", help="the JSON file (default: bench/results/serve.json; --quick: a temp dir)")
     args = ap.parse_args()
     t_start = time.monotonic()
@@ -207,7 +217,12 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(target))
     eos = tok.eos_token_id if tok.eos_token_id is not None else 0
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    all_srv = [s for s in servers(target, draft, work, eos) if s.mode in modes]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown mode {bad[0]!r} (modes: {', '.join(MODES)})")
+    want = set(modes) | {mlx_mode(m) for m in modes}
+    all_srv = [s for s in servers(target, draft, work, eos)
+               if ((s.mode in modes) if s.name == "divergence" else (s.mode in want))]
     print(f"[bench] target {target}, draft {draft} ({where}); {args.requests} requests, {args.concurrency} "
           f"concurrent, prompts {args.min_prompt}-{args.max_prompt} tokens, {args.max_tokens} tokens each, "
           f"{args.reps} reps; logs and traces in {work}", flush=True)
@@ -236,10 +251,23 @@ def main() -> int:
     return report(args, modes, results, startup, codes, work, target, draft, time.monotonic() - t_start)
 
 
+def draft_rounds(log: Path) -> dict | None:
+    """divergence serve's last words: how many rounds ran at each draft length (adaptive)."""
+    try:
+        text = log.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if "draft tokens per round:" in line:
+            pairs = (p.strip().split(":") for p in line.split("draft tokens per round:")[1].split(","))
+            return {int(k): int(v.split()[0]) for k, v in pairs}
+    return None
+
+
 def report(args, modes, results, startup, codes, work, target, draft, elapsed: float) -> int:
     rows, out = [], []
     for mode in modes:
-        d, m = results[("divergence", mode)], results[("mlx-lm", mode)]
+        d, m = results[("divergence", mode)], results[("mlx-lm", mlx_mode(mode))]
         same_tokens = all(a["per_request_tokens"] == b["per_request_tokens"] for a, b in zip(d, m))
         same_prompts = all(a["prompt_tokens"] == b["prompt_tokens"] for a, b in zip(d, m))
         same_text = sum(x == y for a, b in zip(d, m) for x, y in zip(a["texts"], b["texts"]))
@@ -247,7 +275,8 @@ def report(args, modes, results, startup, codes, work, target, draft, elapsed: f
                  "same_prompt_tokens": same_prompts, "same_text": f"{same_text}/{args.requests * args.reps}",
                  "cached_prompt_tokens": {"divergence": sum(a["cached_tokens"] for a in d),
                                           "mlx_lm": sum(b["cached_tokens"] for b in m)},
-                 "goal_throughput_ratio": GOAL[mode]}
+                 "goal_throughput_ratio": GOAL[mode], "against": f"mlx-lm/{mlx_mode(mode)}",
+                 "draft_tokens_per_round": draft_rounds(work / f"divergence-{mode}.log")}
         for k in METRICS:
             ratio = C.paired_ratio([a[k] for a in d], [b[k] for b in m])
             entry["ratios"][k] = ratio
@@ -267,7 +296,8 @@ def report(args, modes, results, startup, codes, work, target, draft, elapsed: f
               f"tokens equal: {C.fmt(e['same_prompt_tokens'])}; same text {e['same_text']}; prompt-cache hits "
               f"(tokens) divergence {e['cached_prompt_tokens']['divergence']}, mlx-lm "
               f"{e['cached_prompt_tokens']['mlx_lm']}; throughput goal >= {e['goal_throughput_ratio']}x: "
-              f"{C.fmt(e['meets_goal'])}")
+              f"{C.fmt(e['meets_goal'])}" + (f"; divergence's rounds per draft length {e['draft_tokens_per_round']}"
+                                             if e["draft_tokens_per_round"] else ""))
     traces = sorted(str(p) for p in work.glob("live-*/live-*.h5"))
     for r in results.values():
         for x in r:

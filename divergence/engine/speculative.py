@@ -10,6 +10,7 @@ uniforms (`uniform`), so a replayed verify decides exactly as the recording did.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,94 +101,80 @@ def _vocab(loaded) -> dict:
 
 
 class AdaptiveDraft:
-    """How many draft tokens a round proposes (0..k_max), chosen each round for the most
-    expected tokens per second of the batch, as serving engines turn speculation down when
-    it does not pay (vLLM's disable-by-batch-size, dynamic speculation lengths).
+    """How many draft tokens a round proposes (0..k_max), learned from the tokens per second
+    each length gives, as serving engines turn speculation down where it does not pay
+    (vLLM's disable-by-batch-size, dynamic speculation lengths).
 
-    Expected tokens of a sequence at k proposals: 1 + a + ... + a^k, a its acceptance so far
-    (accepted / proposed, pulled toward the batch's by `weight` proposals). A round's time at
-    k: the moving average of the rounds run at k, or a line through the averages of the k's
-    measured (before any: `prior_ratio`, a draft step's time over a verify's). Every
-    `explore_every` rounds a neighbouring k runs twice (the first catches the draft cache up
-    after rounds without drafts, the second is measured), so the estimates follow the load.
+    An epoch is `epoch` rounds at one k; its rate is the tokens the decoding sequences gained
+    over its wall time, so whatever a length costs counts: draft steps, the verify's rows,
+    and the catching up of a draft cache after rounds without drafts. Each k is tried once,
+    then the best rate's k runs (means, then moving averages, `alpha`), a neighbour every
+    `explore_every`-th epoch so the rates follow the load. A pause between rounds (an idle
+    server) counts as the round's own time only.
 
     Greedy requests keep the target's tokens at any k (the verify decides); what changes is
     the trace's schedule, recorded as any other. Timing decides, so two servers fed the same
     traffic may choose differently: a live trace is of the traffic as it ran."""
 
-    def __init__(self, k_max: int, *, prior_accept: float = 0.6, weight: float = 8.0, alpha: float = 0.2,
-                 prior_ratio: float = 0.5, explore_every: int = 32):
-        self.k_max = k_max
-        self.prior_accept, self.weight, self.alpha = prior_accept, weight, alpha
-        self.prior_ratio, self.explore_every = prior_ratio, explore_every
-        self.seconds: dict[int, float] = {}  # k -> moving average of a round's seconds
-        self.proposed = self.accepted = 0.0  # every sequence's, decayed
-        self._seen: dict[str, tuple[int, int, int]] = {}  # seq id -> (proposed, accepted, round) last read
-        self.rounds = 0
-        self.last = k_max
+    def __init__(self, k_max: int, *, epoch: int = 8, alpha: float = 0.3, explore_every: int = 6,
+                 clock=time.perf_counter):
+        self.k_max, self.epoch, self.alpha, self.explore_every = k_max, epoch, alpha, explore_every
+        self.clock = clock
+        self.rate: dict[int, float] = {}  # k -> moving average of tokens per second
+        self._epochs_at: dict[int, int] = {}  # k -> epochs measured
+        self.k = k_max  # this epoch's
+        self.epochs = 0
+        self._rounds = 0  # rounds of this epoch so far
+        self._tokens = 0  # tokens gained this epoch
+        self._seconds = 0.0  # its time
+        self._last: float | None = None  # when the last round was chosen
+        self._round_s = 0.0  # the last round's own time (observe)
+        self._seen: dict[str, tuple[int, int]] = {}  # seq id -> (tokens, epoch) last read
         self.chosen: dict[int, int] = {}  # k -> rounds run at it (for reports)
 
-    # -- the round's choice ----------------------------------------------------------------
     def choose(self, seqs, caps: dict[str, int]) -> int:
-        """k for this round. seqs: the decoding Sequences (their proposed / accepted counts);
-        caps: the most each may propose (fewer near max_tokens)."""
-        self._read(seqs)
-        top = max(caps.values(), default=0)
-        if top == 0:
-            return 0
-        g = (self.accepted + self.prior_accept * self.weight) / (self.proposed + self.weight)
-        acc = [min((s.accepted + g * self.weight) / (s.proposed + self.weight), 0.999) for s in seqs]
-        score = {k: sum(_expected(a, min(k, caps[s.id])) for a, s in zip(acc, seqs)) / self._time(k)
-                 for k in range(top + 1)}
-        best = max(score, key=lambda k: (score[k], k))
-        self.rounds += 1
-        if self.seconds and self.rounds % self.explore_every >= self.explore_every - 2:  # refresh a neighbour
-            nb = best + 1 if (self.rounds // self.explore_every) % 2 else best - 1
-            if 0 <= nb <= top:
-                best = nb
-        self.last = best
-        self.chosen[best] = self.chosen.get(best, 0) + 1
-        return best
+        """k for this round. seqs: the decoding Sequences (their tokens so far); caps: the most
+        each may propose (fewer near max_tokens)."""
+        now = self.clock()
+        if self._last is not None:
+            gap = now - self._last
+            self._seconds += gap if gap <= max(0.5, 10 * self._round_s) else self._round_s
+        self._last = now
+        for s in seqs:
+            n, _ = self._seen.get(s.id, (None, 0))
+            if n is not None:
+                self._tokens += len(s.tokens) - n
+            self._seen[s.id] = (len(s.tokens), self.epochs)
+        if self._rounds >= self.epoch:
+            self._close_epoch()
+        self._rounds += 1
+        k = min(self.k, max(caps.values(), default=0))
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
 
     def observe(self, k: int, seconds: float) -> None:
-        """A round at k took `seconds` (its steps launched to its verify collected)."""
-        old = self.seconds.get(k)
-        self.seconds[k] = seconds if old is None else old + self.alpha * (seconds - old)
+        """A round took `seconds` (its steps launched to its verify collected)."""
+        self._round_s = seconds
 
-    def _read(self, seqs) -> None:
-        decay = 1.0 - self.alpha / 4
-        self.proposed *= decay
-        self.accepted *= decay
-        for s in seqs:
-            p, a, _ = self._seen.get(s.id, (0, 0, 0))
-            self.proposed += s.proposed - p
-            self.accepted += s.accepted - a
-            self._seen[s.id] = (s.proposed, s.accepted, self.rounds)
-        if len(self._seen) > 4 * len(seqs) + 64:  # finished sequences: forget them
-            self._seen = {i: v for i, v in self._seen.items() if v[2] >= self.rounds - 1}
-
-    def _time(self, k: int) -> float:
-        if k in self.seconds:
-            return self.seconds[k]
-        pts = sorted(self.seconds.items())
-        if len(pts) >= 2:  # least squares through the measured k's
-            n = len(pts)
-            mk = sum(x for x, _ in pts) / n
-            mt = sum(t for _, t in pts) / n
-            var = sum((x - mk) ** 2 for x, _ in pts)
-            slope = max(sum((x - mk) * (t - mt) for x, t in pts) / var, 0.0)
-            return max(mt + slope * (k - mk), 1e-9)
-        if pts:  # one k measured: t = verify (1 + ratio k)
-            k0, t0 = pts[0]
-            verify = t0 / (1 + self.prior_ratio * k0)
-            return verify * (1 + self.prior_ratio * k)
-        return 1 + self.prior_ratio * k
+    def _close_epoch(self) -> None:
+        if self._seconds > 0 and self._tokens > 0:
+            r = self._tokens / self._seconds
+            n = self._epochs_at[self.k] = self._epochs_at.get(self.k, 0) + 1
+            old = self.rate.get(self.k, r)
+            self.rate[self.k] = old + max(self.alpha, 1 / n) * (r - old)  # a mean at first, then moving
+        self.epochs += 1
+        self._rounds, self._tokens, self._seconds = 0, 0, 0.0
+        self._seen = {i: v for i, v in self._seen.items() if v[1] >= self.epochs - 1}  # finished ones go
+        untried = [k for k in range(self.k_max, -1, -1) if k not in self.rate]
+        if untried:
+            self.k = untried[0]
+            return
+        best = max(self.rate, key=lambda k: (self.rate[k], -k))
+        if self.epochs % self.explore_every == 0:
+            nb = [k for k in (best - 1, best + 1) if 0 <= k <= self.k_max]
+            best = nb[(self.epochs // self.explore_every) % len(nb)]
+        self.k = best
 
     def describe(self) -> dict:
         return {"k_max": self.k_max, "rounds_at_k": dict(sorted(self.chosen.items())),
-                "round_seconds_at_k": {k: round(v, 6) for k, v in sorted(self.seconds.items())}}
-
-
-def _expected(a: float, k: int) -> float:
-    """Tokens a round commits at k proposals, each accepted with probability a (in a row)."""
-    return (1 - a ** (k + 1)) / (1 - a)
+                "tokens_per_s_at_k": {k: round(v, 1) for k, v in sorted(self.rate.items())}}

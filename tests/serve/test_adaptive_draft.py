@@ -68,36 +68,50 @@ def test_a_sampling_request_runs_at_any_draft_length(target, draft, prompts):
 
 
 class Seq:
-    def __init__(self, sid, proposed, accepted):
-        self.id, self.proposed, self.accepted = sid, proposed, accepted
+    def __init__(self, sid, n):
+        self.id, self.tokens = sid, [0] * n
 
 
-def taught(times: dict[int, float], accept: float, n: int = 4) -> tuple[AdaptiveDraft, list[Seq]]:
-    c = AdaptiveDraft(3)
-    for k, t in times.items():
-        c.observe(k, t)
-    seqs = [Seq(f"r{i}", 100, int(100 * accept)) for i in range(n)]
-    return c, seqs
+class World:
+    """A fake server: rounds at k take seconds[k] and commit tokens[k] per sequence."""
+
+    def __init__(self, seconds: dict[int, float], tokens: dict[int, int], n: int = 4):
+        self.now, self.seconds, self.tokens = 0.0, seconds, tokens
+        self.seqs = [Seq(f"r{i}", 10) for i in range(n)]
+        self.c = AdaptiveDraft(3, clock=lambda: self.now)
+
+    def rounds(self, n: int) -> list[int]:
+        picks = []
+        for _ in range(n):
+            k = self.c.choose(self.seqs, {s.id: 3 for s in self.seqs})
+            picks.append(k)
+            self.now += self.seconds[k]
+            self.c.observe(k, self.seconds[k])
+            for s in self.seqs:
+                s.tokens += [0] * self.tokens[k]
+        return picks
 
 
-def test_an_expensive_draft_with_low_acceptance_is_not_used():
-    # the fixture pair on this CPU: a draft step ~0.7 of a verify, ~43% accepted
-    c, seqs = taught({0: 0.020, 1: 0.034}, 0.43)
-    assert c.choose(seqs, {s.id: 3 for s in seqs}) == 0
+def test_an_expensive_draft_with_low_acceptance_is_turned_off():
+    # the fixture pair on this CPU: a draft step ~0.7 of a verify, ~43% accepted (1, 1.43, 1.61, 1.69 tokens)
+    w = World({0: 0.020, 1: 0.034, 2: 0.048, 3: 0.062}, {0: 1, 1: 1, 2: 2, 3: 2})
+    picks = w.rounds(4 * w.c.epoch + 30 * w.c.epoch)
+    late = picks[4 * w.c.epoch:]
+    assert late.count(0) > 0.8 * len(late) and set(late) <= {0, 1}  # off, a neighbour tried now and then
+    assert set(picks[: 4 * w.c.epoch]) == {0, 1, 2, 3}  # each length tried first
 
 
 def test_a_cheap_draft_with_high_acceptance_proposes_the_most():
-    c, seqs = taught({0: 0.020, 1: 0.022}, 0.9)
-    assert c.choose(seqs, {s.id: 3 for s in seqs}) == 3
+    w = World({0: 0.020, 1: 0.022, 2: 0.024, 3: 0.026}, {0: 1, 1: 2, 2: 3, 3: 4})
+    late = w.rounds(40 * w.c.epoch)[4 * w.c.epoch:]
+    assert late.count(3) > 0.8 * len(late)
     # ...but no more than a sequence may (near its max_tokens)
-    assert c.choose(seqs, {s.id: 1 for s in seqs}) == 1
+    assert w.c.choose(w.seqs, {s.id: 1 for s in w.seqs}) == 1
 
 
-def test_it_starts_speculating_and_explores_a_neighbour():
-    c = AdaptiveDraft(3)
-    seqs = [Seq("r0", 0, 0)]
-    assert c.choose(seqs, {"r0": 3}) >= 1  # before any measure: the prior says a draft pays
-    c.observe(0, 0.02)
-    c.observe(1, 0.04)
-    picks = [c.choose([Seq("r0", 50, 20)], {"r0": 3}) for _ in range(2 * c.explore_every)]
-    assert picks.count(0) > len(picks) * 0.8 and set(picks) - {0}  # mostly 0, a neighbour now and then
+def test_an_idle_pause_is_not_counted_against_a_length():
+    w = World({0: 0.020, 1: 0.022, 2: 0.024, 3: 0.026}, {0: 1, 1: 2, 2: 3, 3: 4})
+    w.rounds(3)
+    w.now += 30.0  # nobody sent anything for half a minute, in epoch k=3
+    w.rounds(40 * w.c.epoch)
+    assert max(w.c.rate, key=w.c.rate.get) == 3
