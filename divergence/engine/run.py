@@ -244,8 +244,7 @@ class Run:
         return sampled
 
     def emit_step_writes(self, launch: Launch) -> None:
-        for method, ev in launch.kernels:
-            self.e._emit(method, ev)
+        self._emit_kernels(launch.kernels)
         if self.want_kv:
             writes = kv_writes(launch.plan, launch.state.name, launch.kv)
             for w in writes:
@@ -261,6 +260,24 @@ class Run:
                 events = routing_events(launch.plan, launch.state.name, launch.routing)
             for r in events:
                 self.e._emit("on_routing", r)
+
+    def _emit_kernels(self, events: list[tuple[str, object]]) -> None:
+        """A step's kernel choices: in one on_kernels call to an observer that has it (the trace
+        writer), else one on_kernel each; with all-reduces among them, one by one in order."""
+        if not events:
+            return
+        if any(method != "on_kernel" for method, _ in events):
+            for method, ev in events:
+                self.e._emit(method, ev)
+            return
+        choices = [ev for _, ev in events]
+        for ob in self.e.observers:
+            many = getattr(ob, "on_kernels", None)
+            if many is not None:
+                many(choices)
+            else:
+                for ev in choices:
+                    ob.on_kernel(ev)
 
     def close(self, launch: Launch) -> None:
         """The step is over: on_step (a writer flushes there)."""

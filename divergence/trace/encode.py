@@ -95,6 +95,8 @@ class Encoder:
         if c.codes is not None:
             vals = self._code(c, vals)
         width = rec.dtype[name].shape
+        if width and isinstance(vals, list) and vals and all(np.shape(v) == width for v in vals):
+            vals = np.stack(vals)  # every row full (the engine's top-k): one copy, not one per row
         if width and isinstance(vals, list):  # ragged rows (top-k of any length): pad
             w = width[0]
             col = np.full((len(rec), w), c.default, c.dtype)

@@ -127,6 +127,15 @@ class TraceWriter(Observer):
     def on_kernel(self, c: KernelChoice) -> None:
         self._batch.add("kernels", c)
 
+    def on_kernels(self, cs: list[KernelChoice]) -> None:
+        """A step's kernel choices in one call (the engine's, at collect): on_kernel each."""
+        b = self._batch
+        lst = b.items.get("kernels")
+        if lst is None:
+            b.items["kernels"] = list(cs)
+        else:
+            lst.extend(cs)
+
     def on_allreduce(self, e: AllReduce) -> None:
         self._batch.add("allreduce", e)
 
@@ -283,9 +292,8 @@ class TraceWriter(Observer):
                                 f.flush()
                                 self._commit.write()
                                 self.durable_steps += self._closing_steps
-                                if completed:
+                                if completed:  # (close flushes it: a flush of its own cost ~1 ms a trace)
                                     f[S.STATUS][0] = 1
-                                    f.flush()
                             except Exception as e:  # noqa: BLE001  (h5py raises OSError or RuntimeError)
                                 error = self._failure(e)
                     finally:
