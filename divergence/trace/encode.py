@@ -59,9 +59,12 @@ class Encoder:
         self._attrs: dict = {}
         self._rows: dict = {}
 
-    def encode(self, batch: Batch) -> dict[str, list[np.ndarray]]:
+    def encode(self, batch: Batch, *, pause=None) -> dict[str, list[np.ndarray]]:
+        """pause: called after each table (the flush thread lets the engine thread run)."""
         out: dict[str, list[np.ndarray]] = {}
         for table, items in batch.items.items():
+            if pause is not None:
+                pause()
             for group in _runs(items):
                 if isinstance(group, Cols):
                     self._put(out, table, self._cols(table, group))

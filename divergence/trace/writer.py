@@ -242,7 +242,11 @@ class TraceWriter(Observer):
                 q.task_done()
 
     def _write(self, batch: Batch) -> None:
-        for name, arrs in self._encoder.encode(batch).items():
+        # on the flush thread, give the GIL back between tables: the engine thread wants it
+        # the moment its step's compute returns, and would otherwise wait up to the
+        # interpreter's switch interval (5 ms) behind a whole batch's encoding or writes
+        pause = _let_engine_in if threading.current_thread() is self._thread else _no_pause
+        for name, arrs in self._encoder.encode(batch, pause=pause).items():
             self._encoded.setdefault(name, []).extend(arrs)
         self._encoded_steps += batch.steps
         if not batch.write or not self._encoded:
@@ -252,6 +256,7 @@ class TraceWriter(Observer):
         with H5_LOCK:
             for name, arrs in records.items():
                 self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
+                pause()
             if batch.last:  # close flushes and commits once, after finishing the tables
                 self._closing_steps = steps
                 return
@@ -323,6 +328,14 @@ class TraceWriter(Observer):
             self._thread.join()
             self._thread = None
             self._queue = None
+
+
+def _let_engine_in() -> None:
+    time.sleep(0)  # releases the GIL: a thread waiting for it takes it first
+
+
+def _no_pause() -> None:
+    pass
 
 
 _ABANDONED: list = []  # ids of files whose writes failed, kept open (and referenced) until the process ends
