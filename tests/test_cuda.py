@@ -111,6 +111,10 @@ QWEN05B = dict(model_type="qwen2", hidden_size=896, num_layers=24, heads=14, kv_
 B1_PROMPTS = ["Return the number of items in a container.", "The socket module provides",
               "Convert a number or string to an integer, or return 0 if no arguments are given."]
 B1_TOKENS = 32
+# Long prompts (token counts): decoding crosses 256 and 1024 cached positions, where mlx-lm's
+# KVCache buffer grows and MLX CUDA's SDPA reads row-contiguous K/V with another kernel
+# than strided ones (attention.as_mlxlm_reads)
+B1_LONG = (250, 1020)
 
 
 class _LogitsTap:
@@ -129,14 +133,8 @@ class _LogitsTap:
         return out
 
 
-@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
-def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
-    """Under `native` at B=1, with the prompt's last token computed as mlx-lm computes it
-    (prefill="mlx-lm": its own one-row step), the engine's greedy tokens and top-k logits
-    equal mlx-lm generate_step's own (tokens it yields, logits its model call returned), bit
-    for bit, on the Qwen2.5-0.5B shape (random weights) in bf16 and 4-bit. (With the default
-    whole-prompt prefill the last prompt row is computed inside the prefill's GEMM, where
-    mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see the README.)"""
+def _b1_problems(tmp_path_factory, bits, prompts_of) -> list[str]:
+    """Where the engine's greedy tokens or top-k logits at B=1 differ from generate_step's."""
     import mlx.core as mx
     import numpy as np
     from mlx_lm.generate import generate_step
@@ -152,21 +150,46 @@ def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
     loaded = load_model(path)
     engine = Engine(loaded, policy="native", stop_at_eos=False, prefill="mlx-lm")
     problems = []
-    for i, text in enumerate(B1_PROMPTS):
-        prompt = loaded.encode(text)
+    for i, prompt in enumerate(prompts_of(loaded)):
         got = engine.run([Request(f"r{i}", tuple(prompt), max_tokens=B1_TOKENS)], "serial").outputs[f"r{i}"]
         tap = _LogitsTap(loaded.model)
         want = [int(t) for t, _ in generate_step(mx.array(prompt), tap, max_tokens=B1_TOKENS)]
         logits = tap.logits[1 : 1 + B1_TOKENS]  # [0] is the prefill of prompt[:-1]
         if got.tokens != want:
             first = next(j for j, (a, b) in enumerate(zip(got.tokens + [-1], want)) if a != b)
-            problems.append(f"r{i}: tokens differ from generated #{first}")
+            problems.append(f"r{i} ({len(prompt)} prompt tokens): tokens differ from generated #{first}")
             continue
         for j, row in enumerate(logits):
             ref = float32(row[0])
             k = len(got.topk_ids[j])
             order = np.lexsort((np.arange(ref.size), -ref))[:k]
             if got.topk_logits[j].view(np.uint32).tolist() != ref[order].view(np.uint32).tolist():
-                problems.append(f"r{i}: top-k logits differ at generated #{j}")
+                problems.append(f"r{i} ({len(prompt)} prompt tokens): top-k logits differ at generated #{j}")
                 break
+    return problems
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
+    """Under `native` at B=1, with the prompt's last token computed as mlx-lm computes it
+    (prefill="mlx-lm": its own one-row step), the engine's greedy tokens and top-k logits
+    equal mlx-lm generate_step's own (tokens it yields, logits its model call returned), bit
+    for bit, on the Qwen2.5-0.5B shape (random weights) in bf16 and 4-bit. (With the default
+    whole-prompt prefill the last prompt row is computed inside the prefill's GEMM, where
+    mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see the README.)"""
+    problems = _b1_problems(tmp_path_factory, bits, lambda m: [m.encode(text) for text in B1_PROMPTS])
+    assert not problems, problems
+
+
+@pytest.mark.xfail(strict=False, reason="open: from 256 cached positions MLX CUDA's one-row SDPA numbers depend on "
+                   "more than the K/V layout the engine now copies from mlx-lm's KVCache (as_mlxlm_reads); "
+                   "1-ulp logit differences remain at some steps (bench/results/cuda/README.md)")
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_b1_native_long_contexts_are_generate_step(tmp_path_factory, bits):
+    """The same at prompts whose decode crosses 256 and 1024 cached positions, where mlx-lm's
+    KVCache grows its buffer and hands SDPA K/V of another layout."""
+    def long_prompts(m):
+        stream = [t for text in B1_PROMPTS for t in m.encode(text)]
+        return [(stream * (n // len(stream) + 1))[:n] for n in B1_LONG]
+    problems = _b1_problems(tmp_path_factory, bits, long_prompts)
     assert not problems, problems

@@ -335,3 +335,15 @@ def test_slice_by_slice_rope_equals_the_one_call_rope(random_model):
         mx.eval(out.logits, out.k_written)
         got.append((_bits(out.logits), _bits(out.k_written)))
     assert all(np.array_equal(a, b) for a, b in zip(*got))
+
+
+@pytest.mark.parametrize("length", [1, 255, 256, 257, 300, 512, 513])
+def test_mlxlm_reads_keep_the_values(length):
+    """as_mlxlm_reads changes only the layout (which MLX CUDA's SDPA reads): same shape and
+    values, whatever the length against mlx-lm's 256-position buffer steps."""
+    from divergence.engine.kernels.attention import as_mlxlm_reads
+
+    x = mx.random.normal((1, 2, 600, 16)).astype(mx.bfloat16)[:, :, :length]
+    y = as_mlxlm_reads(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert mx.array_equal(x, y).item()

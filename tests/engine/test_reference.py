@@ -103,6 +103,17 @@ def test_mlx_lm_prefill_layout(random_model, prompts):
     assert engine.settings()["prefill"] == "mlx-lm"
 
 
+@pytest.mark.parametrize("n", [250, 520])
+def test_long_contexts_match_mlx_lm(target, prompts, n):
+    """Prompts whose decode crosses 256 (and 512) cached positions, where mlx-lm's KVCache
+    grows its buffer and hands SDPA K/V of another stride (attention.as_mlxlm_reads)."""
+    stream = [t for p in prompts for t in target.encode(p)]
+    prompt = tuple((stream * (n // len(stream) + 1))[:n])
+    engine = Engine(target, policy="native", stop_at_eos=False, prefill="mlx-lm")
+    got = engine.run([Request("r", prompt, max_tokens=16)], "serial").outputs["r"].tokens
+    assert got == mlx_lm_tokens(target, prompt, 16)
+
+
 def test_vocab_pieces_are_each_id_decoded_alone(target):
     """The trace's vocabulary (batch-decoded for speed) is what decoding each id alone gives."""
     engine = Engine(target)

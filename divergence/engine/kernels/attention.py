@@ -23,6 +23,22 @@ if TYPE_CHECKING:  # the step's layout and the cache are read, never built, here
     from ..model.prepared import BatchedAttention, PreparedStep, SeqAttention
 
 sdpa = mx.fast.scaled_dot_product_attention
+KV_STEP = 256  # mlx-lm's KVCache grows its buffer by this many positions
+
+
+def as_mlxlm_reads(x: mx.array) -> mx.array:
+    """One sequence's K or V [1, kv_heads, L, hd] laid out as mlx-lm's KVCache hands it to
+    SDPA: a view of a buffer grown KV_STEP positions at a time, so row-contiguous when L
+    fills it and strided by the buffer's length otherwise. On MLX CUDA a one-row SDPA over
+    256 or more positions gives other numbers for other strides (bench/results/cuda/
+    README.md), so the layout is part of mlx-lm's numbers there. Costs one copy of K and
+    of V per layer and step (the pool's own slice has the pool's stride). The CPU's SDPA
+    reads every layout alike, and multi-row (prefill, verify) queries on CUDA took no
+    better to it: both are left as they are."""
+    L = x.shape[2]
+    if L % KV_STEP == 0:
+        return mx.contiguous(x)
+    return mx.pad(x, [(0, 0), (0, 0), (0, KV_STEP - L % KV_STEP), (0, 0)])[:, :, :L]
 
 
 def run_per_seq(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -58,6 +74,8 @@ def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: f
     else:
         qs = q[g.row : g.row + n].reshape(n, H, hd).transpose(1, 0, 2)[None]
     k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
+    if n == 1 and mx.default_device() == mx.gpu:  # (one-row queries; see as_mlxlm_reads)
+        k, v = as_mlxlm_reads(k), as_mlxlm_reads(v)
     o = run_per_seq(qs, k, v, scale)
     return o.reshape(1, H * hd) if n == 1 else o[0].transpose(1, 0, 2).reshape(n, H * hd)
 
