@@ -154,7 +154,7 @@ def serve(engine, args, *, model_id: str) -> int:
     if control is not None and control.chosen:
         print("divergence serve: draft tokens per round: " + ", ".join(
             f"{k}: {n} rounds" for k, n in sorted(control.chosen.items())), file=sys.stderr)
-        print("divergence serve: tokens/s measured at each draft length: " + ", ".join(
-            f"{k}: {v:.0f}" for k, v in sorted(control.rate.items())), file=sys.stderr)
+        print("divergence serve: tokens/s per sequence measured at each draft length: " + ", ".join(
+            f"{k}: {v:.1f}" for k, v in sorted(control.rate.items())), file=sys.stderr)
     print(f"next: divergence rerun {worker.current_trace} --out traces/rerun", file=sys.stderr)
     return 0

@@ -11,8 +11,7 @@ module only drives the round's steps.
 
 A run may carry a `spec_control` (speculative.AdaptiveDraft: `divergence serve` does): it
 picks each round's draft length, up to the engine's k (0: the round is one verify of each
-sequence's last token), and is told how long the round took where it was a clean measure
-(no prefill rows, no draft cache catching up on tokens committed in rounds without drafts).
+sequence's last token), and is told how long the round took.
 """
 from __future__ import annotations
 
@@ -37,8 +36,6 @@ class SpecRound:
         self.run, self.sched, self.work, self.decoding = run, sched, work, decoding
         self.ks = {s.id: sched.draft_len(s) for s in decoding}  # draft steps per sequence
         self.control = getattr(run, "spec_control", None)
-        # a round the controller learns from: no prefill rows, no draft cache catching up
-        self.clean = not any(w.prefill for w in work) and all(len(s.tokens) - s.draft_cached <= 2 for s in decoding)
         if self.control is not None:
             k = self.control.choose(decoding, self.ks)
             self.ks = {i: min(n, k) for i, n in self.ks.items()}
@@ -86,7 +83,7 @@ class SpecRound:
             plan = sched.target_plan(run.take_step(), self.work, {s.id: tuple(props[s.id].tokens) for s in decoding})
             verify = run.launch(run.target, plan, full_rows=run.full_rows(plan))
         sampled = run.collect(verify)
-        if self.control is not None and self.clean:
+        if self.control is not None:
             self.control.observe(max(ks.values()), time.perf_counter() - t0)
         return verify, sampled, props
 

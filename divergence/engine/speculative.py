@@ -107,7 +107,10 @@ class AdaptiveDraft:
 
     An epoch is `epoch` rounds at one k; its rate is the tokens the decoding sequences gained
     over its wall time, so whatever a length costs counts: draft steps, the verify's rows,
-    and the catching up of a draft cache after rounds without drafts. Each k is tried once,
+    and the catching up of a draft cache after rounds without drafts. It is taken per
+    sequence decoding (a small model's step hardly grows with its rows), so that epochs of
+    two loads compare. (Learning it per batch size, as vLLM's disable-by-batch-size decides,
+    was tried: split over batch sizes, a server's first minutes did not learn enough.) Each k is tried once,
     then the best rate's k runs (means, then moving averages, `alpha`), a neighbour every
     `explore_every`-th epoch so the rates follow the load. A pause between rounds (an idle
     server) counts as the round's own time only.
@@ -120,13 +123,15 @@ class AdaptiveDraft:
                  clock=time.perf_counter):
         self.k_max, self.epoch, self.alpha, self.explore_every = k_max, epoch, alpha, explore_every
         self.clock = clock
-        self.rate: dict[int, float] = {}  # k -> moving average of tokens per second
+        self.rate: dict[int, float] = {}  # k -> moving average of tokens per second per sequence
         self._epochs_at: dict[int, int] = {}  # k -> epochs measured
         self.k = k_max  # this epoch's
         self.epochs = 0
         self._rounds = 0  # rounds of this epoch so far
         self._tokens = 0  # tokens gained this epoch
         self._seconds = 0.0  # its time
+        self._batch = 0  # decoding sequences, summed over its rounds
+        self._measured: dict[int, int] = {}  # k -> epochs measured
         self._last: float | None = None  # when the last round was chosen
         self._round_s = 0.0  # the last round's own time (observe)
         self._seen: dict[str, tuple[int, int]] = {}  # seq id -> (tokens, epoch) last read
@@ -140,6 +145,7 @@ class AdaptiveDraft:
             gap = now - self._last
             self._seconds += gap if gap <= max(0.5, 10 * self._round_s) else self._round_s
         self._last = now
+        self._batch += len(seqs)
         for s in seqs:
             n, _ = self._seen.get(s.id, (None, 0))
             if n is not None:
@@ -158,12 +164,12 @@ class AdaptiveDraft:
 
     def _close_epoch(self) -> None:
         if self._seconds > 0 and self._tokens > 0:
-            r = self._tokens / self._seconds
+            r = self._tokens / self._seconds / (self._batch / self._rounds)  # per sequence decoding
             n = self._epochs_at[self.k] = self._epochs_at.get(self.k, 0) + 1
             old = self.rate.get(self.k, r)
             self.rate[self.k] = old + max(self.alpha, 1 / n) * (r - old)  # a mean at first, then moving
         self.epochs += 1
-        self._rounds, self._tokens, self._seconds = 0, 0, 0.0
+        self._rounds, self._tokens, self._seconds, self._batch = 0, 0, 0.0, 0
         self._seen = {i: v for i, v in self._seen.items() if v[1] >= self.epochs - 1}  # finished ones go
         untried = [k for k in range(self.k_max, -1, -1) if k not in self.rate]
         if untried:
@@ -177,4 +183,4 @@ class AdaptiveDraft:
 
     def describe(self) -> dict:
         return {"k_max": self.k_max, "rounds_at_k": dict(sorted(self.chosen.items())),
-                "tokens_per_s_at_k": {k: round(v, 1) for k, v in sorted(self.rate.items())}}
+                "tokens_per_s_per_sequence_at_k": {k: round(v, 1) for k, v in sorted(self.rate.items())}}

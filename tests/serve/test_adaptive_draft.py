@@ -77,7 +77,7 @@ class World:
 
     def __init__(self, seconds: dict[int, float], tokens: dict[int, int], n: int = 4):
         self.now, self.seconds, self.tokens = 0.0, seconds, tokens
-        self.seqs = [Seq(f"r{i}", 10) for i in range(n)]
+        self.seqs = [Seq(f"b{n}-r{i}", 10) for i in range(n)]
         self.c = AdaptiveDraft(3, clock=lambda: self.now)
 
     def rounds(self, n: int) -> list[int]:
