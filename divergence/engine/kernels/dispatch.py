@@ -12,6 +12,7 @@ choice; a step forced UNSHARDED runs sharded ops through `run_unsharded` instead
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import mlx.core as mx
@@ -19,11 +20,23 @@ import mlx.core as mx
 from . import attention, linear as kernels
 from ...core.events import AllReduce, KernelChoice
 from ...core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
+from . import splits as cpu_split
 from .linear import LinearOp
+from ..model.kv_cache import HeadSlice
 from .native_classes import AttentionClassProbe, NativeClassProbe
 from ...core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
 
 __all__ = ["KernelDispatcher", "KernelPolicy"]
+
+# query-key pairs (sum over the step's slices of rows x KV length, x query heads) from which a
+# step's attention is split by KV heads across CPU streams: a 64-row prefill of 4 heads is 16k,
+# ~1 ms of bf16 SDPA here, against a ~30 us cross-stream wait
+HEAD_SPLIT_PAIRS = 1 << 14
+# Only where MLX's own matmul runs SDPA's products (simd_gemm: each output a fixed-order sum,
+# whatever M). With one KV head per group MLX folds the query heads sharing it into one product
+# of twice the rows, and fp32 products go to the BLAS, whose bits depend on M: fp32 runs came
+# out different (OpenBLAS, Prescott kernels), so fp32 is never split.
+_HEAD_SPLIT_DTYPES = (mx.bfloat16, mx.float16)
 
 class KernelDispatcher:
     """Runs linear ops for one model under a policy; emits KernelChoice events."""
@@ -49,6 +62,7 @@ class KernelDispatcher:
         self._attn_sig = 0  # class signature of this step's attention (when recording)
         self._attn_fields: dict = {}  # this step's attention event fields but layer (when recording)
         self._attn_key: tuple = ()  # (step, id(prep)) they are of
+        self._split, self._split_key = None, ()  # this step's attention head split (see _head_split)
         self._plain = False
         # (id(op), layer, m, kernel, splits, dtype) -> (op, the KernelChoice fields but step):
         # see _choice
@@ -99,7 +113,9 @@ class KernelDispatcher:
         """One layer's attention for the prepared step (its kernel was chosen at prepare
         time), recorded as op `attention`: m = query rows, n = sequences, k = the longest
         KV length, kv_min = the shortest; native_class = the kernel's probed class."""
-        out = attention.attend(prep, layer, q, cache, scale)
+        split = self._head_split(prep, q, cache)
+        out = attention.attend(prep, layer, q, cache, scale) if split is None else _by_heads(prep, layer, q, cache,
+                                                                                               scale, split)
         if self.emit is not None:
             if layer == 0 or self._attn_key != (self._step, id(prep)):  # (the same for every layer of a step)
                 self._attn_key = (self._step, id(prep))
@@ -112,6 +128,22 @@ class KernelDispatcher:
             else:
                 self.emit(_made(self._attn_fields, step=self._step, layer=layer))
         return out
+
+    def _head_split(self, prep, q: mx.array, cache):
+        """The CPU column split (splits.py) where this step's attention runs one KV head group
+        per stream: bf16 / fp16, whose SDPA kernels are MLX's single-threaded loops (see
+        _HEAD_SPLIT_DTYPES), with KV heads to share out and enough work (HEAD_SPLIT_PAIRS
+        query-key pairs) for the cross-stream wait."""
+        if self.parallel is not None or cache.kv_heads < 2 or not cpu_split.MAY_SPLIT:
+            return None
+        key = (prep.plan.index, id(prep))
+        if self._split_key != key:
+            self._split_key = key
+            split = cpu_split.process_split()
+            pairs = sum(s.count * (s.start + s.count) for s in prep.plan.slices) * q.shape[1]
+            self._split = split if split is not None and q.dtype in _HEAD_SPLIT_DTYPES and q.dtype in split.dtypes \
+                and pairs >= HEAD_SPLIT_PAIRS else None
+        return self._split
 
     def _attention_signature(self, prep, q: mx.array, kv_heads: int) -> int:
         """Class of the step's decode attention: per-seq at its query rows, or batched at
@@ -166,6 +198,23 @@ class KernelDispatcher:
             self._protos[key] = (op, dict(ev.__dict__))
             return ev
         return _made(got[1], step=self._step)
+
+
+def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split) -> mx.array:
+    """attention.attend in KV head groups, one per stream of the split (the first on the caller's),
+    joined along the features: each query head reads one KV head, so every group computes its
+    heads' outputs from the same values, in calls of the same shapes per head, as the whole call
+    does (bits unchanged: tests/engine/test_cpu_split.py)."""
+    kv = cache.kv_heads
+    parts = min(split.parts, kv)
+    per_q = q.shape[1] // kv  # query heads per KV head
+    edges = [kv * i // parts for i in range(parts + 1)]
+    outs = []
+    for i, (h0, h1) in enumerate(zip(edges, edges[1:])):
+        view = HeadSlice(cache, h0, h1)
+        with mx.stream(split.streams[i - 1]) if i else nullcontext():
+            outs.append(attention.attend(prep, layer, q[:, h0 * per_q : h1 * per_q], view, scale))
+    return mx.concatenate(outs, axis=-1)
 
 
 def _made(fields: dict, **changes) -> KernelChoice:
