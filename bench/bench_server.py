@@ -11,7 +11,8 @@ admits it at that engine step), and for BatchGenerator the `next_generated()` ca
 index inserts it. Where nothing is running both jump to the next arrival. Every request
 generates --tokens tokens (EOS ignored), greedy. Each repetition runs the three in a
 rotating order; ratios are medians of the per-repetition ratios BatchGenerator wall /
-engine wall (> 1: the engine is faster). The engine computes the prompt's last token in
+engine wall (> 1: the engine is faster); `BG/engine cpu` is the same ratio of the process's CPU
+time (every thread), steadier than wall where other processes share the cores. The engine computes the prompt's last token in
 its first decode step (prefill="mlx-lm"), as BatchGenerator does. Goal (issue 33): >= 1.3x.
 Writes bench/results/server.json (--quick: a temp dir).
 """
@@ -49,7 +50,7 @@ def workload(encode, n: int, lo: int, hi: int, stagger: int, seed: int = 0) -> l
 def run_engine(eng: Engine, work, n: int, trace_dir: Path | None) -> dict:
     reqs = [Request(w["id"], tuple(w["tokens"]), max_tokens=n, arrival=w["arrival"]) for w in work]
     C.sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if trace_dir is None:
         eng.observers = []
         res = eng.run(reqs, "concurrent")
@@ -58,13 +59,13 @@ def run_engine(eng: Engine, work, n: int, trace_dir: Path | None) -> dict:
             eng.observers = [w]
             res = eng.run(reqs, "concurrent")
         eng.observers = []
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "steps": res.steps, "tokens": [res.outputs[w["id"]].tokens for w in work]}
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"wall_s": wall, "cpu_s": cpu, "steps": res.steps, "tokens": [res.outputs[w["id"]].tokens for w in work]}
 
 
 def run_batch_generator(model, work, n: int) -> dict:
     C.sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     gen = BatchGenerator(model, max_tokens=n, completion_batch_size=len(work), prefill_batch_size=8)
     pending = sorted(work, key=lambda w: w["arrival"])
     uid_of, toks, step, steps = {}, {}, 0, 0
@@ -85,10 +86,10 @@ def run_batch_generator(model, work, n: int) -> dict:
         else:
             break
     gen.close()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     del gen
     C.sync()
-    return {"wall_s": wall, "steps": steps, "tokens": [toks.get(w["id"], []) for w in work]}
+    return {"wall_s": wall, "cpu_s": cpu, "steps": steps, "tokens": [toks.get(w["id"], []) for w in work]}
 
 
 def bench_one(name: str, path, dtype: str, a) -> dict:
@@ -96,6 +97,7 @@ def bench_one(name: str, path, dtype: str, a) -> dict:
     work = workload(loaded.encode, a.requests, a.min_prompt, a.max_prompt, a.stagger)
     eng = Engine(loaded, None, policy="native", stop_at_eos=False, prefill="mlx-lm", token_budget=a.token_budget)
     samples = {v: [] for v in VARIANTS}
+    cpu = {v: [] for v in VARIANTS}  # process CPU time (every thread): steadier than wall on a shared machine
     first = {}
     with tempfile.TemporaryDirectory(prefix="divergence-server-") as tmp:
         runs = {"engine": lambda: run_engine(eng, work, a.tokens, None),
@@ -106,7 +108,9 @@ def bench_one(name: str, path, dtype: str, a) -> dict:
         for rep in range(a.reps):
             order = VARIANTS[rep % 3:] + VARIANTS[: rep % 3]
             for v in order:
-                samples[v].append(runs[v]()["wall_s"])
+                got = runs[v]()
+                samples[v].append(got["wall_s"])
+                cpu[v].append(got["cpu_s"])
             print(f"[bench] {name} {dtype} rep {rep + 1}/{a.reps}: " +
                   ", ".join(f"{v} {samples[v][-1]:.2f}s" for v in VARIANTS), flush=True)
     bg = samples["batch_generator"]
@@ -122,6 +126,8 @@ def bench_one(name: str, path, dtype: str, a) -> dict:
         "steps": {v: first[v]["steps"] for v in VARIANTS},
         "bg_over_engine": C.paired_ratio(bg, samples["engine"]),
         "bg_over_engine_traced": C.paired_ratio(bg, samples["engine_traced"]),
+        "cpu_s": {v: C.summary(cpu[v]) for v in VARIANTS},
+        "bg_over_engine_cpu": C.paired_ratio(cpu["batch_generator"], cpu["engine"]),
         "tracing_overhead": C.paired_ratio(samples["engine_traced"], samples["engine"]) - 1.0,
         "same_tokens": same, "goal": GOAL,
     }
@@ -162,11 +168,11 @@ def main() -> None:
              f"{r['prompt_lens']['min']}-{r['prompt_lens']['max']}",
              C.fmt(r["wall_s"]["engine"]["median"]), C.fmt(r["wall_s"]["engine_traced"]["median"]),
              C.fmt(r["wall_s"]["batch_generator"]["median"]), C.fmt(r["bg_over_engine"]),
-             C.fmt(r["bg_over_engine_traced"]), f"{100 * r['tracing_overhead']:+.1f}%",
+             C.fmt(r["bg_over_engine_traced"]), C.fmt(r["bg_over_engine_cpu"]), f"{100 * r['tracing_overhead']:+.1f}%",
              f"{r['steps']['engine']}/{r['steps']['batch_generator']}", f"{r['same_tokens']}/{r['requests']}"]
             for r in results]
     txt = C.table(rows, ["model", "dtype", "work", "prompts", "engine s", "traced s", "BatchGen s",
-                         "BG/engine", "BG/traced", "tracing", "steps eng/BG", "same tokens"])
+                         "BG/engine", "BG/traced", "BG/engine cpu", "tracing", "steps eng/BG", "same tokens"])
     print("\n" + txt)
     print(f"(ratios: median of paired BatchGenerator wall / engine wall; goal >= {GOAL}x)")
     C.write_json(out, {"meta": meta, "goal": GOAL, "results": results, "table": txt.splitlines(),
