@@ -235,21 +235,21 @@ def test_batch_invariant_stream_gives_one_completion_in_batches_the_plan_predict
 
     eng = Engine(target, policy="batch-invariant")
     prompt = "Return the number of"
-    r = sweep(eng, prompt, runs=40, max_batch=6, max_tokens=16, seed=1)
-    assert r.unique == 1 and r.counts == [40] and r.diverge_at == [None] and r.first_difference == {}
+    r = sweep(eng, prompt, runs=24, max_batch=5, max_tokens=12, seed=1)
+    assert r.unique == 1 and r.counts == [24] and r.diverge_at == [None] and r.first_difference == {}
     assert r.engine_runs == 1 and r.fillers > 0 and eng.observers == []
-    assert max(r.batch_sizes) <= 6 and len(set(r.batch_sizes)) >= 3
+    assert max(r.batch_sizes) <= 5 and len(set(r.batch_sizes)) >= 3
     # the planner's prediction, from the same inputs the sweep used
     needle = tuple(eng.encode(prompt))
     from divergence.core.request import Request
 
-    life = eng.run([Request("needle", needle, max_tokens=16)], "concurrent").target_steps
-    fillers = filler_lengths(eng, 16)
-    (chunk,) = plan_stream(random.Random(1), 40, 6, needle, life, fillers, 16).chunks
+    life = eng.run([Request("needle", needle, max_tokens=12)], "concurrent").target_steps
+    fillers = filler_lengths(eng, 12)
+    (chunk,) = plan_stream(random.Random(1), 24, 5, needle, life, fillers, 12).chunks
     natural = dict(fillers)
     occ = _occupancy(chunk, life, natural)
     want = {rq.id: max(occ[c] for c in range(rq.arrival, rq.arrival + life)) for rq in chunk if rq.id.startswith("n")}
-    assert r.batch_sizes == [want[f"n{i}"] for i in range(40)]
+    assert r.batch_sizes == [want[f"n{i}"] for i in range(24)]
 
 
 def test_native_stream_counts_every_run(target):
