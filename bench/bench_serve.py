@@ -203,9 +203,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--modes", default="plain,draft,draft-fixed", help="plain, draft (divergence serve's default: "
                     "the draft length adapts), draft-fixed (--spec-fixed: always 3), comma-separated")
+    ap.add_argument("--warmup", type=int, default=2, help="requests each server gets before the measured load "
+                    "(the same load's concurrency), unmeasured")
     ap.add_argument("--out", help="the JSON file (default: bench/results/serve.json; --quick: a temp dir)")
     args = ap.parse_args()
     t_start = time.monotonic()
+    load_before = os.getloadavg()  # (other work on the machine: the ratios' noise)
     args.max_tokens = args.max_tokens or (16 if args.quick else 64)
     args.max_prompt = args.max_prompt or (64 if args.quick else 256)
     args.reps = args.reps or (3 if args.quick else 5)
@@ -234,8 +237,10 @@ def main() -> int:
         for s in all_srv:  # one at a time: two loading at once on 2 cores would slow both
             s.start()
             startup[f"{s.name}/{s.mode}"] = round(s.wait_ready(), 2)
-            warm = make_prompts(tok, 2, args.min_prompt, args.max_prompt, seed=10_000)
-            asyncio.run(load(s, warm, args.max_tokens, 2))  # compiles, first allocations
+            warm = make_prompts(tok, args.warmup, args.min_prompt, args.max_prompt, seed=10_000)
+            # compiles, first allocations; with --warmup N, a load of N requests (divergence's
+            # adaptive draft length learns there what a server running a while would know)
+            asyncio.run(load(s, warm, args.max_tokens, min(args.concurrency, args.warmup)))
             print(f"[bench] {s.name} ({s.mode}) ready in {startup[f'{s.name}/{s.mode}']:.1f} s on {s.url}", flush=True)
         for rep in range(args.reps):
             prompts = make_prompts(tok, args.requests, args.min_prompt, args.max_prompt, seed=rep)
@@ -248,7 +253,9 @@ def main() -> int:
                       f"{r['ttft_p50_s']:.3f} s", flush=True)
     finally:
         codes = {f"{s.name}/{s.mode}": s.stop() for s in all_srv}
-    return report(args, modes, results, startup, codes, work, target, draft, time.monotonic() - t_start)
+    loadavg = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()],
+               "cpus": os.cpu_count()}
+    return report(args, modes, results, startup, codes, work, target, draft, time.monotonic() - t_start, loadavg)
 
 
 def draft_rounds(log: Path) -> dict | None:
@@ -264,7 +271,7 @@ def draft_rounds(log: Path) -> dict | None:
     return None
 
 
-def report(args, modes, results, startup, codes, work, target, draft, elapsed: float) -> int:
+def report(args, modes, results, startup, codes, work, target, draft, elapsed: float, loadavg: dict) -> int:
     rows, out = [], []
     for mode in modes:
         d, m = results[("divergence", mode)], results[("mlx-lm", mlx_mode(mode))]
@@ -304,12 +311,14 @@ def report(args, modes, results, startup, codes, work, target, draft, elapsed: f
             x.pop("texts")
     data = {"bench": "serve", "quick": args.quick, "meta": C.meta(args), "target": str(target), "draft": str(draft),
             "load": {"requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                     "warmup_requests": args.warmup,
                      "prompt_tokens": [args.min_prompt, args.max_prompt], "reps": args.reps, "temperature": 0,
                      "stream": True, "spec_k": SPEC_K},
-            "elapsed_s": round(elapsed, 1), "startup_s": startup, "exit_codes": codes, "divergence_traces": traces, "results": out,
+            "elapsed_s": round(elapsed, 1), "loadavg_1_5_15min": loadavg, "startup_s": startup, "exit_codes": codes, "divergence_traces": traces, "results": out,
             "samples": {f"{n}/{m}": r for (n, m), r in results.items()}}
     C.write_json(C.out_path("serve", args.quick, args.out), data)
-    print(f"[bench] {elapsed:.0f} s in all")
+    print(f"[bench] {elapsed:.0f} s in all; load average (1, 5, 15 min) at the start {loadavg['start']}, at the "
+          f"end {loadavg['end']} on {loadavg['cpus']} CPUs")
     return 0
 
 
