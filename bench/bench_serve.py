@@ -6,9 +6,9 @@ same client load, with and without a draft model.
     python bench/bench_serve.py --target DIR --draft DIR --requests 64 --concurrency 16
 
 The script starts the servers itself on free ports of 127.0.0.1 (mlx_lm.server without and
-with --draft-model; divergence serve without a draft, with --draft as it serves by default
-(up to 3 draft tokens a round, as many as pay: mode `draft`) and with --spec-fixed (always
-3: mode `draft-fixed`); 3 draft tokens on mlx_lm.server) and stops them at the end. Both
+with --draft-model; divergence serve without a draft, with --draft (3 draft tokens every
+round: mode `draft`) and with --draft --spec-adaptive (up to 3 a round, as many as pay:
+mode `draft-adaptive`); 3 draft tokens on mlx_lm.server) and stops them at the end. Both
 draft modes are compared with the one mlx_lm.server --draft-model run. One async client (httpx, in this process) sends the load: --requests
 completions, at most --concurrency in flight, prompts of mixed lengths (windows of real
 text, drawn per request), all streamed (SSE, stream_options.include_usage), temperature 0,
@@ -48,8 +48,8 @@ import numpy as np
 
 from divergence.parallel.launch import free_ports
 
-GOAL = {"plain": 1.0, "draft": 1.5, "draft-fixed": 1.5}
-MODES = ("plain", "draft", "draft-fixed")  # draft: divergence serve's default (the draft length adapts); draft-fixed: --spec-fixed
+GOAL = {"plain": 1.0, "draft": 1.5, "draft-adaptive": 1.5}
+MODES = ("plain", "draft", "draft-adaptive")  # draft: k=3 every round; draft-adaptive: --spec-adaptive
 
 
 def mlx_mode(mode: str) -> str:
@@ -121,7 +121,7 @@ def servers(target: Path, draft: Path, work: Path, eos: int) -> list[Server]:
         div = [py, "-m", "divergence", "serve", "--model", str(target), "--host", "127.0.0.1", "--ignore-eos",
                "--trace-dir", str(work / f"live-{mode}")]
         if d:
-            div += ["--draft", str(draft), "--spec-k", str(SPEC_K)] + (["--spec-fixed"] if mode == "draft-fixed" else [])
+            div += ["--draft", str(draft), "--spec-k", str(SPEC_K)] + (["--spec-adaptive"] if mode == "draft-adaptive" else [])
         out.append(Server("divergence", mode, div, target.resolve().name, work / f"divergence-{mode}.log"))
     return out
 
@@ -201,8 +201,8 @@ def main() -> int:
     ap.add_argument("--min-prompt", type=int, default=8)
     ap.add_argument("--max-prompt", type=int)
     ap.add_argument("--reps", type=int)
-    ap.add_argument("--modes", default="plain,draft,draft-fixed", help="plain, draft (divergence serve's default: "
-                    "the draft length adapts), draft-fixed (--spec-fixed: always 3), comma-separated")
+    ap.add_argument("--modes", default="plain,draft,draft-adaptive", help="plain, draft (3 draft tokens a round), "
+                    "draft-adaptive (--spec-adaptive: up to 3, as many as pay), comma-separated")
     ap.add_argument("--warmup", type=int, default=2, help="requests each server gets before the measured load "
                     "(the same load's concurrency), unmeasured")
     ap.add_argument("--out", help="the JSON file (default: bench/results/serve.json; --quick: a temp dir)")

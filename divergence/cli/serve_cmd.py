@@ -27,9 +27,9 @@ def add_arguments(p) -> None:
                    "directory's name)")
     p.add_argument("--policy", default="native", help="kernel policy: native | batch-invariant | threshold:N")
     p.add_argument("--spec-k", type=int, help="the most draft tokens per verify (default: 3 with --draft, else 0)")
-    p.add_argument("--spec-fixed", action="store_true", help="propose --spec-k draft tokens every round (default: "
-                   "each round as many, 0 to --spec-k, as give the most tokens per second, from the acceptance "
-                   "so far and the rounds' measured times)")
+    p.add_argument("--spec-adaptive", action="store_true", help="each round, propose as many draft tokens, 0 to "
+                   "--spec-k, as give the most tokens per second (measured per length as it serves; default: "
+                   "--spec-k every round, so the trace shows every speculative round)")
     p.add_argument("--token-budget", type=int, default=256, help="rows per engine step")
     p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token (the most "
                    "top_logprobs a request may ask for)")
@@ -61,7 +61,7 @@ def main(args) -> int:
             raise PromptError(f"{flag} must be > 0, got {v}")
     if args.engine == "mlx-lm":
         for flag, bad in (("--draft", args.draft), ("--spec-k", args.spec_k), ("--prefix-cache", args.prefix_cache),
-                          ("--spec-fixed", args.spec_fixed), ("--policy", args.policy != "native")):
+                          ("--spec-adaptive", args.spec_adaptive), ("--policy", args.policy != "native")):
             if bad:
                 raise PromptError(f"--engine mlx-lm takes no {flag} (mlx-lm's BatchGenerator batches without a "
                                   f"draft, on the backend's own kernels)")
@@ -102,7 +102,7 @@ def serve(engine, args, *, model_id: str) -> int:
         print(f"divergence serve: recording to {path}", file=sys.stderr, flush=True)
 
     control = None
-    if engine.draft is not None and not getattr(args, "spec_fixed", False):
+    if engine.draft is not None and getattr(args, "spec_adaptive", False):
         from ..engine.speculative import AdaptiveDraft  # (lazy: loads numpy; the parser imports every command)
 
         control = AdaptiveDraft(engine.spec_k)

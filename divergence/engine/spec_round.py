@@ -9,7 +9,7 @@ host-side draw. Either way the round returns its collected verify and the propos
 the Run (run.py) commits them: it owns the scheduler bookkeeping and the events, this
 module only drives the round's steps.
 
-A run may carry a `spec_control` (speculative.AdaptiveDraft: `divergence serve` does): it
+A run may carry a `spec_control` (speculative.AdaptiveDraft: `serve --spec-adaptive`'s): it
 picks each round's draft length, up to the engine's k (0: the round is one verify of each
 sequence's last token), and is told how long the round took.
 """

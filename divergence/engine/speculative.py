@@ -115,8 +115,10 @@ class AdaptiveDraft:
     `explore_every`-th epoch so the rates follow the load. A pause between rounds (an idle
     server) counts as the round's own time only.
 
-    Greedy requests keep the target's tokens at any k (the verify decides); what changes is
-    the trace's schedule, recorded as any other. Timing decides, so two servers fed the same
+    `divergence serve --spec-adaptive` uses it (not by default: a user who serves a draft to
+    trace speculative decoding should get speculative rounds). Greedy requests keep the
+    target's tokens at any k (the verify decides); what changes is the trace's schedule,
+    recorded as any other. Timing decides, so two servers fed the same
     traffic may choose differently: a live trace is of the traffic as it ran."""
 
     def __init__(self, k_max: int, *, epoch: int = 8, alpha: float = 0.3, explore_every: int = 6,

@@ -1,10 +1,11 @@
-"""The serve's draft length per round (speculative.AdaptiveDraft, spec_round's `spec_control`):
+"""serve --spec-adaptive's draft length per round (speculative.AdaptiveDraft, spec_round's `spec_control`):
 any mix of draft lengths, 0 included, keeps greedy tokens the target's own; the controller
 picks the k that its measurements say gives the most tokens per second."""
 from __future__ import annotations
 
 import itertools
 
+import httpx
 import pytest
 
 from divergence.core.names import DRAFT_MODEL
@@ -13,6 +14,8 @@ from divergence.core.request import Request, Sampling
 from divergence.engine.engine import Engine
 from divergence.engine.run import Run
 from divergence.engine.speculative import AdaptiveDraft
+
+from .conftest import DRAFT, trace_of
 
 
 class Cycle:
@@ -115,3 +118,18 @@ def test_an_idle_pause_is_not_counted_against_a_length():
     w.now += 30.0  # nobody sent anything for half a minute, in epoch k=3
     w.rounds(40 * w.c.epoch)
     assert max(w.c.rate, key=w.c.rate.get) == 3
+
+
+def test_serve_spec_adaptive_records_it_and_says_what_it_chose(serve):
+    s = serve("--draft", str(DRAFT), "--spec-adaptive", "--ignore-eos")
+    with httpx.Client(timeout=120) as c:
+        rs = [c.post(s.base_url + "/completions", json={"model": "target", "prompt": "The quick brown",
+                                                          "max_tokens": 12}) for _ in range(3)]
+    assert all(r.status_code == 200 for r in rs)
+    assert s.stop() == 0
+    [path] = s.traces()
+    with trace_of(path) as t:
+        assert t.meta["settings"]["serve"]["spec"] == "adaptive"
+        assert {r.json()["id"] for r in rs} <= {q.id for q in t.requests}
+    log = s.log.read_text()
+    assert "divergence serve: draft tokens per round:" in log and "spec k=up to 3" in log

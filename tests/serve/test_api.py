@@ -151,7 +151,7 @@ def test_the_live_trace_records_what_run_records(demo_server, client):
     [path] = demo_server.traces()
     with trace_of(path) as t:
         idx = t.request_index(r.id)
-        assert t.meta["schedule"] == "concurrent" and "serve" in t.meta["settings"]
+        assert t.meta["schedule"] == "concurrent" and t.meta["settings"]["serve"]["spec"] == "fixed"
         assert (t.kv_writes()["request"] == idx).any()  # KV hashes, kernels, draft steps: as run records them
         assert len(t.kernels()["kernel"]) > 0
         assert "draft" in set(t.codes("models")[int(m)] for m in t.steps["model"])
