@@ -22,7 +22,7 @@ from ...core.events import AllReduce, KernelChoice
 from ...core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
 from . import splits as cpu_split
 from .linear import LinearOp
-from .head_slice import HeadSlice
+from .kv_reads import HeadSlice
 from .native_classes import AttentionClassProbe, NativeClassProbe
 from ...core.policy import BATCH_INVARIANT, GEMM, GEMV, NATIVE, KernelPolicy, SoloStep, UnshardedStep
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..kernels.kv_reads import KvReads
 
-class PagedKVCache:
+
+class PagedKVCache(KvReads):
     """K/V memory of one model: a pool per layer, stored head-major [1, kv_heads, slots,
     head_dim] (slot = block * block_size + offset), so a sequence's K/V are read whole
     blocks at a time and come out already in SDPA's [B, kv_heads, L, head_dim] layout
@@ -73,47 +75,8 @@ class PagedKVCache:
         """[n, kv_heads, head_dim] at `slots` (position by position; tests and tools)."""
         return self.k[layer][0][:, slots].swapaxes(0, 1), self.v[layer][0][:, slots].swapaxes(0, 1)
 
-    def _blocks(self, pool: mx.array) -> mx.array:
-        return pool.reshape(self.kv_heads, self.num_blocks, self.block_size, self.head_dim)
-
-    def gather(self, layer: int, table: mx.array, length: int, *, first_slot: int | None = None
-               ) -> tuple[mx.array, mx.array]:
-        """One sequence's first `length` positions, [1, kv_heads, length, head_dim], read by
-        block (`table`: its block ids, at least ceil(length / block_size) of them), or, when
-        its blocks are consecutive from `first_slot`, as a slice of the pool (no copy, as
-        mlx-lm's own cache is read)."""
-        if first_slot is not None:
-            end = first_slot + length
-            return self.k[layer][:, :, first_slot:end], self.v[layer][:, :, first_slot:end]
-        out = []
-        kv, hd = self.kv_heads, self.head_dim
-        for pool in (self.k[layer], self.v[layer]):
-            g = self._blocks(pool)[:, table].reshape(1, kv, -1, hd)
-            out.append(g if g.shape[2] == length else g[:, :, :length])
-        return out[0], out[1]
-
-    def gather_batch(self, layer: int, tables: mx.array, length: int) -> tuple[mx.array, mx.array]:
-        """Several sequences at once, [B, kv_heads, length, head_dim]: `tables` [B, nb] of
-        block ids (rows padded with any valid block), positions past a sequence's own
-        length are someone else's or stale, and must be masked by the caller."""
-        if self._flat[0] is not tables:
-            self._flat = (tables, self._head_base + tables[:, None, :])  # [B, kv, nb]
-        idx = self._flat[1]
-        out = []
-        kv, hd = self.kv_heads, self.head_dim
-        for pool in (self.k[layer], self.v[layer]):
-            g = pool.reshape(kv * self.num_blocks, self.block_size, hd)[idx]  # [B, kv, nb, bs, hd]
-            g = g.reshape(g.shape[0], kv, -1, hd)
-            out.append(g if g.shape[2] == length else g[:, :, :length])
-        return out[0], out[1]
-
-    def gather_positions(self, layer: int, slots: mx.array, batch: int, length: int) -> tuple[mx.array, mx.array]:
-        """[B, kv_heads, length, head_dim] read slot by slot (`slots`: [B * length] pool slots)."""
-        out = []
-        kv, hd = self.kv_heads, self.head_dim
-        for pool in (self.k[layer], self.v[layer]):
-            out.append(pool[0][:, slots].reshape(kv, batch, length, hd).transpose(1, 0, 2, 3))
-        return out[0], out[1]
+    def _pools(self, layer: int) -> tuple[mx.array, mx.array]:
+        return self.k[layer], self.v[layer]
 
     def arrays(self) -> list[mx.array]:
         return self.k + self.v
