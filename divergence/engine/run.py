@@ -262,22 +262,15 @@ class Run:
                 self.e._emit("on_routing", r)
 
     def _emit_kernels(self, events: list[tuple[str, object]]) -> None:
-        """A step's kernel choices: in one on_kernels call to an observer that has it (the trace
-        writer), else one on_kernel each; with all-reduces among them, one by one in order."""
+        """A step's kernel choices in one on_kernels call; with all-reduces among them, every
+        event on its own, in order."""
         if not events:
             return
         if any(method != "on_kernel" for method, _ in events):
             for method, ev in events:
                 self.e._emit(method, ev)
-            return
-        choices = [ev for _, ev in events]
-        for ob in self.e.observers:
-            many = getattr(ob, "on_kernels", None)
-            if many is not None:
-                many(choices)
-            else:
-                for ev in choices:
-                    ob.on_kernel(ev)
+        else:
+            self.e._emit("on_kernels", [ev for _, ev in events])
 
     def close(self, launch: Launch) -> None:
         """The step is over: on_step (a writer flushes there)."""
