@@ -113,3 +113,27 @@ def answer(model, tokens) -> str:
 
 def trace_of(path: Path):
     return Trace.open(path)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from divergence.engine.model.loading import load_cached
+
+    return load_cached(TARGET)
+
+
+def openai_client(server):
+    """The official client on a started server (no retries: a failure shows as it is)."""
+    import openai
+
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def recorded(server, rid: str):
+    """(prompt tokens, generated tokens, event kinds, TraceRequest) of a request in the server's trace."""
+    [path] = server.traces()
+    with trace_of(path) as t:
+        req = next(r for r in t.requests if r.id == rid)
+        ev = t.table("request_events")
+        kinds = [str(k) for k, i in zip(ev["kind"], ev["request"]) if int(i) == t.request_index(rid)]
+        return list(req.prompt_tokens), t.tokens(rid).tokens.tolist(), kinds, req

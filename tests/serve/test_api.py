@@ -6,36 +6,19 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 
-from divergence.engine.model.loading import load_cached
 from divergence.serve.text import chat_prompt
 
-from .conftest import TARGET, answer, trace_of
+from .conftest import answer, openai_client, recorded, trace_of
 
 PROMPT = "def add(a, b):\n    "
 STOP_PROMPT = "The quick brown"  # 24 tokens of text before any end-of-text
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_cached(TARGET)
-
-
-@pytest.fixture(scope="module")
 def client(demo_server):
-    return openai.OpenAI(base_url=demo_server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-def recorded(server, rid: str):
-    """(prompt tokens, generated tokens, event kinds) of a request in the server's trace."""
-    [path] = server.traces()
-    with trace_of(path) as t:
-        req = next(r for r in t.requests if r.id == rid)
-        ev = t.table("request_events")
-        kinds = [str(k) for k, i in zip(ev["kind"], ev["request"]) if int(i) == t.request_index(rid)]
-        return list(req.prompt_tokens), t.tokens(rid).tokens.tolist(), kinds, req
+    return openai_client(demo_server)
 
 
 def test_models_lists_the_served_model(client):

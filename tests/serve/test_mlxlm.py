@@ -11,10 +11,9 @@ import openai
 import pytest
 
 from divergence.core.names import BATCH_GENERATOR
-from divergence.engine.model.loading import load_cached
 from divergence.serve.text import chat_prompt
 
-from .conftest import TARGET, answer, divergence, start_server, trace_of
+from .conftest import TARGET, answer, divergence, openai_client, recorded, start_server, trace_of
 
 PROMPTS = ["Raise ValueError if", "Return the number of", "class Stack:\n    \"\"\"", "import os\nimport",
            "The quick brown", "    for i in range(", "def add(a, b):\n    ", "# Copyright"]
@@ -28,20 +27,8 @@ def mlx_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model():
-    return load_cached(TARGET)
-
-
-@pytest.fixture(scope="module")
 def client(mlx_server):
-    return openai.OpenAI(base_url=mlx_server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-def recorded(server, rid: str):
-    [path] = server.traces()
-    with trace_of(path) as t:
-        req = next(r for r in t.requests if r.id == rid)
-        return list(req.prompt_tokens), t.tokens(rid).tokens.tolist()
+    return openai_client(mlx_server)
 
 
 def test_the_live_trace_is_mlx_lms_engine(mlx_server, client):
@@ -56,14 +43,14 @@ def test_the_live_trace_is_mlx_lms_engine(mlx_server, client):
 
 def test_completions_and_chat_are_the_traces_tokens(mlx_server, client, model):
     r = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=12, logprobs=2)
-    prompt, tokens = recorded(mlx_server, r.id)
+    prompt, tokens, _, _ = recorded(mlx_server, r.id)
     assert prompt == list(model.encode(PROMPTS[1]))
     assert r.choices[0].text == answer(model, tokens) and r.usage.completion_tokens == len(tokens)
     assert len(r.choices[0].logprobs.text_offset) == len(tokens)
     assert all(v <= 0 for v in r.choices[0].logprobs.token_logprobs)  # mlx-lm's log-probs, as recorded
     messages = [{"role": "user", "content": "Return the sum."}]
     c = client.chat.completions.create(model="target", messages=messages, max_tokens=10)
-    prompt, tokens = recorded(mlx_server, c.id)
+    prompt, tokens, _, _ = recorded(mlx_server, c.id)
     assert prompt == chat_prompt(model, messages)
     assert c.choices[0].message.content == answer(model, tokens)
 
