@@ -10,9 +10,14 @@ of their own. DIVERGENCE_PROOF_CACHE=off keeps both in memory only (each process
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
+import math
 import os
+import threading
+import time
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -39,7 +44,16 @@ def cache_dir() -> Path:
 class BackendStore:
     """Values measured on the backend in use, kept per backend fingerprint in the user cache
     dir: `<prefix>-<fingerprint digest>.json`, {"fingerprint": ..., "<prefix>": {key: value}}.
-    get / put; with DIVERGENCE_PROOF_CACHE=off, in memory only."""
+    get / put; with DIVERGENCE_PROOF_CACHE=off, in memory only.
+
+    put does not rewrite the file each time (a fresh server puts a key per new shape, and the
+    file holds thousands): the first put writes at once, later ones mark the store dirty and
+    one write, FLUSH_AFTER_S after the last, takes them all (a timer thread), as does
+    flush(), process exit, and a store of this process about to read the same file. A write
+    merges what the file holds by then (another process's keys) under this store's values,
+    and goes to a temporary name renamed over the file: concurrent writers can lose each
+    other's newest keys (measured again later), never corrupt the file. A read-only home or
+    a full disk leaves the values in memory."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
@@ -47,6 +61,12 @@ class BackendStore:
         self._fingerprint: dict | None = None  # the process's backend: read once
         self._path: Path | None = None
         self._loaded = False
+        self._lock = threading.RLock()  # put (any thread) against the timer's write
+        self._dirty = False
+        self._timer: threading.Timer | None = None
+        self._written_at = -math.inf  # time.monotonic() of the last write
+        self.writes = 0  # files written (tests)
+        _STORES.add(self)
 
     def _file(self) -> Path | None:
         if os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none"):
@@ -57,17 +77,26 @@ class BackendStore:
             self._path = cache_dir() / f"{self.prefix}-{hashlib.sha256(fp.encode()).hexdigest()[:16]}.json"
         return self._path
 
+    def _read(self, path: Path) -> dict:
+        try:
+            stored = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}  # none yet, or unreadable: measure again
+        if isinstance(stored, dict) and isinstance(stored.get(self.prefix), dict):
+            return {str(k): v for k, v in stored[self.prefix].items()}
+        return {}
+
     def _load(self) -> None:
         self._loaded = True
         path = self._file()
         if path is None:
             return
-        try:
-            stored = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return  # none yet, or unreadable: measure again
-        if isinstance(stored, dict) and isinstance(stored.get(self.prefix), dict):
-            self._memo.update({str(k): v for k, v in stored[self.prefix].items()})
+        for other in list(_STORES):  # what this process has measured but not written yet
+            if other is not self and other._dirty and other._path == path:
+                other.flush()
+        with self._lock:
+            for k, v in self._read(path).items():
+                self._memo.setdefault(k, v)
 
     def get(self, key: str):
         if not self._loaded:
@@ -77,18 +106,69 @@ class BackendStore:
     def put(self, key: str, value) -> None:
         if not self._loaded:
             self._load()
-        self._memo[key] = value
-        path = self._file()
-        if path is None:
-            return
-        from ...core.atomic import write_atomic
+        with self._lock:
+            self._memo[key] = value
+            if self._file() is None:
+                return
+            self._dirty = True
+            if self._timer is not None:
+                return  # the pending write takes this one too
+            wait = self._written_at + FLUSH_AFTER_S - time.monotonic()
+            if wait > 0:
+                self._timer = threading.Timer(wait, self._timed_flush)
+                self._timer.daemon = True
+                self._timer.start()
+                return
+        self.flush()
 
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"fingerprint": self._fingerprint, self.prefix: self._memo},
-                                          sort_keys=True))
-        except OSError:  # a read-only home or a full disk: the values stay in memory
-            pass
+    def _timed_flush(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what is not written yet (merged with the file as it is now), if anything."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            path = self._file()
+            if not self._dirty or path is None:
+                return
+            self._dirty = False
+            self._written_at = time.monotonic()
+            from ...core.atomic import write_atomic
+
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                merged = {**self._read(path), **self._memo}
+                write_atomic(path, json.dumps({"fingerprint": self._fingerprint, self.prefix: merged},
+                                              sort_keys=True))
+                self.writes += 1
+                for k, v in merged.items():
+                    self._memo.setdefault(k, v)
+            except OSError:  # a read-only home or a full disk: the values stay in memory
+                pass
+
+
+FLUSH_AFTER_S = 2.0  # a put's write waits this long after the last write (puts meanwhile share it)
+_STORES: "weakref.WeakSet[BackendStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    for store in list(_STORES):
+        store.flush()
+
+
+def _after_fork() -> None:  # a child has none of the parent's timer threads: its puts start new ones
+    for store in list(_STORES):
+        store._lock = threading.RLock()
+        store._timer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 class BackendProofs(BackendStore):
