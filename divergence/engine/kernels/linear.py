@@ -52,6 +52,19 @@ class LinearOp:
         self.splittable = getattr(self.module, "splittable", True)
         # the module's own product, bound once (mlx.nn's Module.__call__ -> Linear.__call__)
         self._product = self.module.as_linear if self.tied_embedding else self.module.__call__
+        # gemm's K-slices of the weights, per chunk: {chunk: (weight they were cut from, slices)}.
+        # On the op, so they go when the model does.
+        self._k_slices: dict = {}
+
+    def k_slices(self, chunk: int) -> list[tuple[int, int, tuple]]:
+        """(k0, k1, operands) of each K-chunk of the weights: contiguous copies, evaluated
+        once (slicing the weights on every call made a strided view that each product
+        copied again). The same values in the same order as the slices, so the same bits."""
+        w = self.module.weight
+        got = self._k_slices.get(chunk)
+        if got is None or got[0] is not w:
+            got = self._k_slices[chunk] = (w, _cut_k(self, chunk))
+        return got[1]
 
     @property
     def precision(self) -> str:
@@ -109,9 +122,23 @@ def run_native(x: mx.array, op: LinearOp) -> mx.array:
 
 
 def run_gemv(x: mx.array, op: LinearOp) -> mx.array:
-    if x.shape[0] == 1:
+    m = x.shape[0]
+    if m == 1:
         return op.native(x)
-    return mx.concatenate([op.native(x[i : i + 1]) for i in range(x.shape[0])], axis=0)
+    split = _spread(m, op, x.dtype)
+    if split is None:
+        return mx.concatenate([op.native(x[i : i + 1]) for i in range(m)], axis=0)
+    # Row i alone on part i's CPU stream (rows in contiguous groups, one group a part):
+    # each row is still its own M=1 call, wherever it runs, so the bits are the same.
+    groups = []
+    edges = [m * p // split.parts for p in range(split.parts + 1)]
+    for p, (r0, r1) in enumerate(zip(edges, edges[1:])):
+        if r1 <= r0:
+            continue
+        with mx.stream(mx.default_stream(mx.default_device()) if p == 0 else split.streams[p - 1]):
+            rows = [op.native(x[i : i + 1]) for i in range(r0, r1)]
+            groups.append(rows[0] if len(rows) == 1 else mx.concatenate(rows, axis=0))
+    return mx.concatenate(groups, axis=0)
 
 
 def run_batch_invariant(x: mx.array, op: LinearOp) -> mx.array:
@@ -124,36 +151,64 @@ def run_batch_invariant(x: mx.array, op: LinearOp) -> mx.array:
     return out[:m] if pad else out
 
 
-def run_gemm(x: mx.array, op: LinearOp, splits: int) -> mx.array:
-    """Split-K product: partial products over K chunks, summed in the compute dtype."""
-    mod = op.module
-    k = op.k
-    group = getattr(mod, "group_size", 1) if op.quantized else 1
+def gemm_chunk(op: LinearOp, splits: int) -> int:
+    """Columns of K per partial product of `splits` (the last one may be shorter)."""
+    group = op.module.group_size if op.quantized else 1
     unit = max(GEMM_MIN_CHUNK, group)
-    chunk = math.ceil(k / splits / unit) * unit
+    return math.ceil(op.k / splits / unit) * unit
+
+
+def run_gemm(x: mx.array, op: LinearOp, splits: int) -> mx.array:
+    """Split-K product: partial products over K chunks, summed in the compute dtype, in
+    K order. Where the product is big enough that `native` would split it across CPU
+    streams (splits.py), the partials are shared out over those streams (partial i on
+    part i mod P): each is the same call on the same data wherever it runs, and the sum
+    stays on the caller's stream in K order, so the bits do not change."""
+    mod = op.module
+    split = _spread(x.shape[0], op, x.dtype)
     acc = None
-    for k0 in range(0, k, chunk):
-        k1 = min(k, k0 + chunk)
-        part = _partial(x[:, k0:k1], op, k0, k1)
+    for i, (k0, k1, operands) in enumerate(op.k_slices(gemm_chunk(op, splits))):
+        p = i % split.parts if split is not None else 0
+        part = _partial(x[:, k0:k1], op, operands, None if p == 0 else split.streams[p - 1])
         acc = part if acc is None else acc + part
     if not op.tied_embedding and "bias" in mod:
         acc = acc + mod.bias
     return acc
 
 
-def _partial(xs: mx.array, op: LinearOp, k0: int, k1: int) -> mx.array:
+def _spread(m: int, op: LinearOp, dtype) -> cpu_split.ColumnSplit | None:
+    """The CPU split `native` would take for this (m, N, K) product, or None."""
+    if not (cpu_split.MAY_SPLIT and op.splittable):
+        return None
+    return cpu_split.split_for(m, op.n, op.k, dtype, op.quantized or dtype == op.weight_dtype, op.quantized)
+
+
+def _cut_k(op: LinearOp, chunk: int) -> list[tuple[int, int, tuple]]:
+    """The weights' K-chunks as run_gemm multiplies them: (W[:, k0:k1].T,) for a dense op,
+    (packed W, scales, biases) columns for a quantized one; contiguous and evaluated."""
     mod = op.module
+    out = []
+    for k0 in range(0, op.k, chunk):
+        k1 = min(op.k, k0 + chunk)
+        if not op.quantized:
+            operands = (mx.contiguous(mod.weight[:, k0:k1]),)
+        else:
+            per_word, g = 32 // mod.bits, mod.group_size
+            operands = (mx.contiguous(mod.weight[:, k0 // per_word : k1 // per_word]),
+                        mx.contiguous(mod.scales[:, k0 // g : k1 // g]),
+                        mx.contiguous(mod.biases[:, k0 // g : k1 // g]) if "biases" in mod else None)
+        out.append((k0, k1, operands))
+    mx.eval([a for _, _, ops in out for a in ops if a is not None])
+    if not op.quantized:  # the transposed view, taken once (a view: no copy, no node per call)
+        out = [(k0, k1, (w.T,)) for k0, k1, (w,) in out]
+        mx.eval([ops[0] for _, _, ops in out])
+    return out
+
+
+def _partial(xs: mx.array, op: LinearOp, operands: tuple, stream) -> mx.array:
     if not op.quantized:
-        return xs @ mod.weight[:, k0:k1].T
-    per_word = 32 // mod.bits
-    g = mod.group_size
-    return mx.quantized_matmul(
-        xs,
-        mod.weight[:, k0 // per_word : k1 // per_word],
-        scales=mod.scales[:, k0 // g : k1 // g],
-        biases=mod.biases[:, k0 // g : k1 // g] if "biases" in mod else None,
-        transpose=True,
-        group_size=g,
-        bits=mod.bits,
-        mode=getattr(mod, "mode", "affine"),
-    )
+        return mx.matmul(xs, operands[0], stream=stream)
+    mod = op.module
+    w, scales, biases = operands
+    return mx.quantized_matmul(xs, w, scales=scales, biases=biases, transpose=True, group_size=mod.group_size,
+                               bits=mod.bits, mode=getattr(mod, "mode", "affine"), stream=stream)
