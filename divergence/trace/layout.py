@@ -1,6 +1,6 @@
-"""The schema-2 file: every table created at run start, appended a flush at a time.
+"""The schema-2 file: every table created at run start, committed a flush at a time.
 
-A table is a compressed compound dataset (its body) plus two uncompressed tail
+A table is a compressed compound dataset (its body; /kv_hashes' uncompressed) plus two uncompressed tail
 slots: appending a few records to a compressed chunk would rewrite the chunk
 elsewhere in the file at every flush (a 0.5B-shaped run's file grew 7x that way),
 so the body only ever gets whole chunks, each compressed once, and the rows after
@@ -29,29 +29,52 @@ def _json(obj) -> str:
 class TableFile:
     """One table: a compressed body written a whole chunk at a time (each chunk compressed
     once, never rewritten) and the rows after it in one of two uncompressed tail slots,
-    overwritten in place; the commit record says which slot holds how many."""
+    overwritten in place; the commit record says which slot holds how many.
 
-    def __init__(self, body: h5py.Dataset, tail: h5py.Dataset, rows: int, dtype: np.dtype):
+    Its datasets are opened at its first write (a run writes a third of the tables; each
+    open costs ~30 us). `extend` may run between commits (the flush thread, while the
+    engine computes): the body grows past what the last commit names, which readers never
+    read, and the committed slot is left as it is until `write_tail` fills the other one."""
+
+    def __init__(self, fid, tails_id, name: bytes, rows: int, dtype: np.dtype):
         """rows, dtype: the body's chunk rows and record dtype, as create() made it (reading
         them back from h5py costs ~50 us each, on the engine's time at run start)."""
-        self.body, self.tail_ds = body, tail
+        self._where = (fid, tails_id, name)
+        self.body = self.tail_ds = None
         self.rows = rows
         self.nb = 0  # rows in the body
         self.tail = np.empty(0, dtype)  # rows after it (fewer than one chunk)
         self.slot = 0  # the tail slot the last commit named
 
-    def append(self, records: np.ndarray, *, last: bool = False) -> None:
-        """last: nothing follows (the run is closing): every row goes into the body, the
-        last chunk partial, without the tail slot's write and flush (finish() in one)."""
+    def _open(self) -> None:
+        fid, tails_id, name = self._where
+        self.body, self.tail_ds = h5py.h5d.open(fid, name), h5py.h5d.open(tails_id, name)
+
+    def extend(self, records: np.ndarray, *, last: bool = False) -> None:
+        """Whole chunks into the body; the rest stays in `tail` (memory only) until write_tail.
+        last: nothing follows (the run is closing): every row into the body."""
         buf = np.concatenate([self.tail, records]) if len(self.tail) else records
         full = len(buf) if last else len(buf) - len(buf) % self.rows
         if full:
             self._grow(buf[:full])
         self.tail = buf[full:]
-        self.slot = 1 - self.slot  # the other slot: the committed one stays intact until the next commit
+
+    def write_tail(self) -> None:
+        """The rows after the body into the other slot (the committed one stays intact until
+        the next commit, which names this one)."""
+        self.slot = 1 - self.slot
         if len(self.tail):
+            if self.tail_ds is None:
+                self._open()
             _write_at(self.tail_ds, (self.slot, 0), self.tail)
             self.tail_ds.flush()
+
+    def append(self, records: np.ndarray, *, last: bool = False) -> None:
+        """extend + write_tail; last: every row into the body, the last chunk partial, without
+        the tail slot's write and flush (finish() in one)."""
+        self.extend(records, last=last)
+        if not last:
+            self.write_tail()
 
     def finish(self) -> None:
         """Everything into the body (the last chunk partial), tails empty."""
@@ -60,34 +83,53 @@ class TableFile:
             self.tail = self.tail[:0]
 
     def _grow(self, rows: np.ndarray) -> None:
-        self.body.id.set_extent((self.nb + len(rows),))
+        if self.body is None:
+            self._open()
+        self.body.set_extent((self.nb + len(rows),))
         _write_at(self.body, (self.nb,), rows)
         self.nb += len(rows)
 
 
-def _write_at(ds: h5py.Dataset, at: tuple, rows: np.ndarray) -> None:
-    """ds[at[0], at[1]:at[1] + n] = rows (1-D records), through h5py's low-level API: the
-    high-level selection costs ~150 us a write, a dozen writes per flush."""
+def _write_at(ds, at: tuple, rows: np.ndarray) -> None:
+    """ds[at[0], at[1]:at[1] + n] = rows (1-D records; ds a low-level DatasetID): the
+    high-level selection costs ~150 us a write, a dozen writes per flush; and the memory
+    type of the records' dtype made once (h5py makes it at every write: ~190 us)."""
     rows = np.ascontiguousarray(rows)
-    space = ds.id.get_space()
+    space = ds.get_space()
     space.select_hyperslab(at, (1,) * (len(at) - 1) + (len(rows),))
-    ds.id.write(h5py.h5s.create_simple((len(rows),)), space, rows)
+    ds.write(h5py.h5s.create_simple((len(rows),)), space, rows, mtype=_mtype(rows.dtype))
+
+
+_MTYPES: dict[np.dtype, object] = {}
+
+
+def _mtype(dt: np.dtype):
+    t = _MTYPES.get(dt)
+    if t is None:
+        t = _MTYPES[dt] = h5py.h5t.py_create(dt)
+    return t
 
 
 class Commit:
     """/commit, int64 [1 + tables, 3]: row 0 (sequence, 0, 0), then per table (rows in
     the body, rows in the tail, tail slot). Written after everything it names is on
-    disk: a reader (or a killed run's file) sees whole flushes only."""
+    disk: a reader (or a killed run's file) sees whole flushes only. (Low-level writes:
+    the high-level ones cost ~150 us each.)"""
 
-    def __init__(self, ds: h5py.Dataset, tables: dict[str, TableFile]):
-        self.ds, self.tables = ds, tables
+    def __init__(self, f: h5py.File, tables: dict[str, TableFile]):
+        self.f, self.tables = f, tables
+        self.ds = h5py.h5d.open(f.id, S.COMMIT.encode())
         self.seq = 0
 
     def write(self) -> None:
         self.seq += 1
         rows = [(self.seq, 0, 0)] + [(t.nb, len(t.tail), t.slot) for t in self.tables.values()]
-        self.ds[...] = np.array(rows, np.int64)
-        self.ds.file.flush()
+        self.ds.write(h5py.h5s.ALL, h5py.h5s.ALL, np.array(rows, np.int64))
+        self.f.flush()
+
+    def completed(self) -> None:
+        """/status = 1 (on disk with the file's next flush or its close)."""
+        h5py.h5d.open(self.f.id, S.STATUS.encode()).write(h5py.h5s.ALL, h5py.h5s.ALL, np.ones(1, np.int8))
 
 
 # Run-independent files, as bytes: a run whose header is one a recent run had (a bench's
@@ -118,16 +160,12 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
                 _SKELETONS.pop(next(iter(_SKELETONS)))
         tmp.write_bytes(got[1])
         f = h5py.File(tmp, "r+", libver="latest")
-        f.attrs["created"] = datetime.now(timezone.utc).isoformat()
-        f.swmr_mode = True  # no new objects or attributes from here on (before the opens: cheaper)
+        _set_created(f)
+        f.swmr_mode = True  # no new objects or attributes from here on
         tails = h5py.h5g.open(f.id, S.TAILS.encode())
-        tables = {}
-        for name in S.TABLES:
-            dt = dtypes[name]
-            body = h5py.Dataset(h5py.h5d.open(f.id, name.encode()))
-            tail = h5py.Dataset(h5py.h5d.open(tails, name.encode()))
-            tables[name] = TableFile(body, tail, _chunk_rows(dt), dt)
-        commit = Commit(h5py.Dataset(h5py.h5d.open(f.id, S.COMMIT.encode())), tables)
+        tables = {name: TableFile(f.id, tails, name.encode(), _chunk_rows(dtypes[name]), dtypes[name])
+                  for name in S.TABLES}
+        commit = Commit(f, tables)
         f.flush()
         os.replace(tmp, path)
     except BaseException:
@@ -138,6 +176,13 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         tmp.unlink(missing_ok=True)
         raise
     return f, tables, commit
+
+
+def _set_created(f: h5py.File) -> None:
+    """attrs["created"] = now, rewritten in place (the skeleton's attribute, a variable-length
+    string: a new value of any length fits; h5py's attrs[...] = deletes and recreates it, ~0.3 ms)."""
+    value = np.array(datetime.now(timezone.utc).isoformat(), dtype=h5py.string_dtype())
+    h5py.h5a.open(f.id, b"created").write(value)
 
 
 def _skeleton_key(info, args: dict) -> tuple:
@@ -198,7 +243,7 @@ def _fill(f: h5py.File, info, *, top_k: int, kv_hashes: bool, kv_hash: str, code
         dt = dtypes[name]
         rows = _chunk_rows(dt)
         tid = h5py.h5t.py_create(dt, logical=True)
-        _dataset(f, name, tid, (0,), (h5py.h5s.UNLIMITED,), (rows,), compress=True)
+        _dataset(f, name, tid, (0,), (h5py.h5s.UNLIMITED,), (rows,), compress=name not in S.UNCOMPRESSED)
         # small tail chunks: only what a tail holds gets file space (a closed file keeps it)
         _dataset(tails, name, tid, (2, rows), (2, rows), (1, max(1, rows // 8)), compress=False)
     f.attrs["tables"] = _json({name: {"description": t.description,

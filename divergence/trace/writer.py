@@ -2,10 +2,11 @@
 
 On the engine thread an event costs one list append. Every ENCODE_STEPS steps the
 batch is handed to a flush thread, which turns it into record arrays (encode.py)
-at once, while the engine computes (MLX waits without the GIL), so closing a short
-run does not encode the whole run on the engine's time. Every FLUSH_SECONDS (or
-FLUSH_STEPS steps) the thread appends each table's encoded rows with one write
-(layout.py: whole compressed chunks + a tail slot), flushes the file, then writes
+and writes their whole chunks into the table bodies at once, while the engine
+computes (MLX waits without the GIL), so closing a short run neither encodes nor
+writes the whole run on the engine's time. Every FLUSH_SECONDS (or FLUSH_STEPS
+steps) the thread writes each extended table's rows past its last whole chunk into
+a tail slot (layout.py), flushes the file, then writes
 the commit record and flushes it: readers see whole flushes only, so a run killed
 with SIGKILL leaves a readable file holding every flushed step, marked incomplete
 (`durable_steps` says how many are on disk).
@@ -76,8 +77,8 @@ class TraceWriter(Observer):
         self._batch = Batch()
         self._last_write = 0.0  # when the engine last asked for a write (perf_counter)
         self._unwritten = 0  # steps handed off since then
-        self._encoded: dict[str, list[np.ndarray]] = {}  # encoded, not written yet (flush thread)
-        self._encoded_steps = 0
+        self._dirty: dict[str, None] = {}  # tables extended since the last commit (flush thread)
+        self._encoded_steps = 0  # steps encoded since then
         self.durable_steps = 0  # steps on disk (set by the flush thread after each file flush)
         self._closing_steps = 0  # the closing hand-off's steps: on disk once close commits them
         self._started = False
@@ -246,20 +247,22 @@ class TraceWriter(Observer):
         # the moment its step's compute returns, and would otherwise wait up to the
         # interpreter's switch interval (5 ms) behind a whole batch's encoding or writes
         pause = _let_engine_in if threading.current_thread() is self._thread else _no_pause
-        for name, arrs in self._encoder.encode(batch, pause=pause).items():
-            self._encoded.setdefault(name, []).extend(arrs)
+        encoded = self._encoder.encode(batch, pause=pause)
         self._encoded_steps += batch.steps
-        if not batch.write or not self._encoded:
-            return
-        records, steps = self._encoded, self._encoded_steps
-        self._encoded, self._encoded_steps = {}, 0
-        with H5_LOCK:
-            for name, arrs in records.items():
-                self.tables[name].append(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
+        with H5_LOCK:  # whole chunks into the bodies now, while the engine computes: not at the close
+            for name, arrs in encoded.items():
+                self.tables[name].extend(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
+                self._dirty[name] = None
                 pause()
+            if not batch.write or not self._dirty:
+                return
+            steps, self._encoded_steps = self._encoded_steps, 0
+            dirty, self._dirty = self._dirty, {}
             if batch.last:  # close flushes and commits once, after finishing the tables
                 self._closing_steps = steps
                 return
+            for name in dirty:
+                self.tables[name].write_tail()
             self.f.flush()  # the records on disk before the commit names them (HDF5 orders no metadata)
             self._commit.write()
         self.durable_steps += steps
@@ -298,7 +301,7 @@ class TraceWriter(Observer):
                                 self._commit.write()
                                 self.durable_steps += self._closing_steps
                                 if completed:  # (close flushes it: a flush of its own cost ~1 ms a trace)
-                                    f[S.STATUS][0] = 1
+                                    self._commit.completed()
                             except Exception as e:  # noqa: BLE001  (h5py raises OSError or RuntimeError)
                                 error = self._failure(e)
                     finally:
