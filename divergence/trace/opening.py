@@ -2,6 +2,7 @@
 trace, and one shared h5py.File per file per process."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import h5py
@@ -42,17 +43,26 @@ class _OpenFiles:
 FILES = _OpenFiles()
 
 
+TRUNCATED_RETRIES = (0.005, 0.02, 0.05)  # seconds between opens of a file that reads truncated
+
+
 def _open(p: Path) -> tuple[h5py.File, bool]:
     try:
         if not h5py.is_hdf5(p):
             raise TraceError(f"{p} is not an HDF5 file (corrupt or not a trace)")
-        try:
-            return h5py.File(p, "r"), False
-        except OSError as e:
-            if "truncated" in str(e):  # SWMR reads skip the EOF check and can hang on these
-                raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
-            # a writer killed mid-run (or still running) leaves the file marked open for SWMR writing
-            return h5py.File(p, "r", swmr=True, rdcc_nbytes=0), True
+        for wait in (*TRUNCATED_RETRIES, None):
+            try:
+                return h5py.File(p, "r"), False
+            except OSError as e:
+                if "truncated" not in str(e):
+                    # a writer killed mid-run (or still running) leaves the file marked open for SWMR writing
+                    return h5py.File(p, "r", swmr=True, rdcc_nbytes=0), True
+                # a live writer's flush extends the file just after its superblock names the new end:
+                # an open in between reads it truncated (~1 open in 1,500 of a file flushed every 2 ms,
+                # measured); one still short after the retries is
+                if wait is None:  # (SWMR reads skip the EOF check and can hang on these)
+                    raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
+                time.sleep(wait)
     except TraceError:
         raise
     except (OSError, ValueError) as e:
