@@ -193,8 +193,12 @@ LABELS = {"requests_per_s": "requests/s", "tokens_per_s": "tokens/s", "latency_p
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="16 tokens, prompts 8-64 tokens, 3 reps (~2 min)")
-    ap.add_argument("--target", help="target model directory (default: the embedded fixture)")
+    ap.add_argument("--target", help="target model directory, or fixture | qwen0.5b | qwen0.5b-4bit "
+                    "(default: the embedded fixture)")
     ap.add_argument("--draft", help="draft model directory (default: the embedded fixture's draft)")
+    ap.add_argument("--draft-layers", type=int, help="the draft: the target's first N layers (its own "
+                    "embedding and head; written once next to the target), instead of --draft")
+    ap.add_argument("--model-cache", default=None, help="where the random qwen0.5b model is generated/reused")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--max-tokens", type=int)
@@ -213,7 +217,12 @@ def main() -> int:
     args.max_prompt = args.max_prompt or (64 if args.quick else 256)
     args.reps = args.reps or (3 if args.quick else 5)
     modes = [m for m in args.modes.split(",") if m]
-    target, draft, where = C.fixture_paths(args.target, args.draft)
+    target, draft, where = C.fixture_paths(None if args.target in (None, "fixture") else args.target, args.draft)
+    if args.target and not Path(args.target).is_dir():
+        target = C.model_path(args.target, C.fixture_paths()[0], args.model_cache)
+    if args.draft_layers:
+        draft = C.truncated_model(target, target.parent / f"{target.name}-first{args.draft_layers}", args.draft_layers)
+        where = f"the draft is the target's first {args.draft_layers} layers"
 
     from transformers import AutoTokenizer
 

@@ -80,6 +80,34 @@ def qwen_path(tokenizer_from: Path, cache_dir=None, regen: bool = False, bits: i
     return path
 
 
+def truncated_model(src: Path, out: Path, layers: int) -> Path:
+    """A draft made from a model: its first `layers` layers, with its own embedding, final
+    norm and head (the self-speculative "layer skip" draft). A random target has no small
+    sibling trained with it; its truncation shares its vocabulary and, with the residual
+    stream, much of its argmax, so a draft pair exists for any target. Written once."""
+    out = Path(out)
+    if _is_model_dir(out):
+        return out
+    import re as _re
+    import shutil as _shutil
+
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(src) / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    weights = {}
+    for f in sorted(Path(src).glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            m = _re.search(r"layers\.(\d+)\.", k)
+            if m is None or int(m.group(1)) < layers:
+                weights[k] = v
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "generation_config.json"):
+            _shutil.copy(f, out / f.name)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
 def model_path(name: str, target: Path, cache_dir=None) -> Path:
     """fixture | fixture-4bit | qwen0.5b | qwen0.5b-4bit -> a model directory."""
     if name == "fixture":
