@@ -20,6 +20,7 @@ import numpy as np
 
 from ..core.atomic import temp_name
 from . import schema as S
+from .failure import close_or_abandon
 
 
 def _json(obj) -> str:
@@ -31,10 +32,11 @@ class TableFile:
     once, never rewritten) and the rows after it in one of two uncompressed tail slots,
     overwritten in place; the commit record says which slot holds how many.
 
-    Its datasets are opened at its first write (a run writes a third of the tables; each
-    open costs ~30 us). `extend` may run between commits (the flush thread, while the
-    engine computes): the body grows past what the last commit names, which readers never
-    read, and the committed slot is left as it is until `write_tail` fills the other one."""
+    Its datasets are opened at their first write (a run writes a third of the tables, and a
+    short one no tail slot; each open costs 30-140 us). `extend` may run between commits
+    (the flush thread, while the engine computes): the body grows past what the last commit
+    names, which readers never read, and the committed slot is left as it is until
+    `write_tail` fills the other one."""
 
     def __init__(self, fid, tails_id, name: bytes, rows: int, dtype: np.dtype):
         """rows, dtype: the body's chunk rows and record dtype, as create() made it (reading
@@ -46,14 +48,18 @@ class TableFile:
         self.tail = np.empty(0, dtype)  # rows after it (fewer than one chunk)
         self.slot = 0  # the tail slot the last commit named
 
-    def _open(self) -> None:
+    def _open(self, tail: bool):
         fid, tails_id, name = self._where
-        self.body, self.tail_ds = h5py.h5d.open(fid, name), h5py.h5d.open(tails_id, name)
+        if tail:
+            self.tail_ds = h5py.h5d.open(tails_id, name)
+            return self.tail_ds
+        self.body = h5py.h5d.open(fid, name)
+        return self.body
 
     def extend(self, records: np.ndarray, *, last: bool = False) -> None:
         """Whole chunks into the body; the rest stays in `tail` (memory only) until write_tail.
         last: nothing follows (the run is closing): every row into the body."""
-        buf = np.concatenate([self.tail, records]) if len(self.tail) else records
+        buf = concat([self.tail, records]) if len(self.tail) else records
         full = len(buf) if last else len(buf) - len(buf) % self.rows
         if full:
             self._grow(buf[:full])
@@ -64,10 +70,9 @@ class TableFile:
         the next commit, which names this one)."""
         self.slot = 1 - self.slot
         if len(self.tail):
-            if self.tail_ds is None:
-                self._open()
-            _write_at(self.tail_ds, (self.slot, 0), self.tail)
-            self.tail_ds.flush()
+            ds = self._open(tail=True) if self.tail_ds is None else self.tail_ds
+            _write_at(ds, (self.slot, 0), self.tail)
+            ds.flush()
 
     def append(self, records: np.ndarray, *, last: bool = False) -> None:
         """extend + write_tail; last: every row into the body, the last chunk partial, without
@@ -83,10 +88,9 @@ class TableFile:
             self.tail = self.tail[:0]
 
     def _grow(self, rows: np.ndarray) -> None:
-        if self.body is None:
-            self._open()
-        self.body.set_extent((self.nb + len(rows),))
-        _write_at(self.body, (self.nb,), rows)
+        body = self._open(tail=False) if self.body is None else self.body
+        body.set_extent((self.nb + len(rows),))
+        _write_at(body, (self.nb,), rows)
         self.nb += len(rows)
 
 
@@ -108,6 +112,20 @@ def _mtype(dt: np.dtype):
     if t is None:
         t = _MTYPES[dt] = h5py.h5t.py_create(dt)
     return t
+
+
+def concat(arrs: list[np.ndarray]) -> np.ndarray:
+    """np.concatenate of record arrays of one dtype, without its dtype promotion (Python code
+    in numpy for compound dtypes: most of a small concatenation's time)."""
+    dt = arrs[0].dtype
+    if any(a.dtype != dt for a in arrs):
+        return np.concatenate(arrs)
+    out = np.empty(sum(map(len, arrs)), dt)
+    i = 0
+    for a in arrs:
+        out[i:i + len(a)] = a
+        i += len(a)
+    return out
 
 
 class Commit:
@@ -169,8 +187,6 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
         f.flush()
         os.replace(tmp, path)
     except BaseException:
-        from .writer import close_or_abandon  # (lazy: a cycle: writer imports layout)
-
         if f is not None:  # a full disk: h5py's close of it would crash later
             close_or_abandon(f)
         tmp.unlink(missing_ok=True)
