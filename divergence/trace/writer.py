@@ -13,21 +13,19 @@ with SIGKILL leaves a readable file holding every flushed step, marked incomplet
 """
 from __future__ import annotations
 
-import os
 import queue
-import re
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
-from h5py import h5f, h5i
 
 from ..core.events import (
     AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, TokenEvent,
 )
 from ..errors import TraceError
 from . import layout, reserve
+from .failure import abandon as _abandon, flushes as _flushes, reason as _reason
 from . import schema as S
 from .encode import Batch, Cols, Encoder
 from .h5lock import H5_LOCK
@@ -143,6 +141,13 @@ class TraceWriter(Observer):
     def on_kv_write(self, w: KvWrite) -> None:
         self._batch.add("kv_writes", w)
 
+    def on_kv_writes(self, ws: list[KvWrite]) -> None:
+        lst = self._batch.items.get("kv_writes")
+        if lst is None:
+            self._batch.items["kv_writes"] = list(ws)
+        else:
+            lst.extend(ws)
+
     def on_routing(self, r: Routing) -> None:
         self._batch.add("routing", r)
 
@@ -251,7 +256,7 @@ class TraceWriter(Observer):
         self._encoded_steps += batch.steps
         with H5_LOCK:  # whole chunks into the bodies now, while the engine computes: not at the close
             for name, arrs in encoded.items():
-                self.tables[name].extend(arrs[0] if len(arrs) == 1 else np.concatenate(arrs), last=batch.last)
+                self.tables[name].extend(arrs[0] if len(arrs) == 1 else layout.concat(arrs), last=batch.last)
                 self._dirty[name] = None
                 pause()
             if not batch.write or not self._dirty:
@@ -339,58 +344,3 @@ def _let_engine_in() -> None:
 
 def _no_pause() -> None:
     pass
-
-
-_ABANDONED: list = []  # ids of files whose writes failed, kept open (and referenced) until the process ends
-
-
-def _flushes(f) -> bool:
-    """Whether f's unwritten data now reaches the disk (with the reserves' room given back to
-    HDF5, trace/reserve.py): then it closes cleanly."""
-    reserve.release_all()
-    try:
-        f.flush()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def close_or_abandon(f) -> None:
-    """Close f if its data can still reach the disk, else abandon it (see _abandon); never raises."""
-    if _flushes(f):
-        try:
-            f.close()
-        except Exception:  # noqa: BLE001
-            pass
-    else:
-        _abandon(f)
-
-
-def _abandon(f) -> None:
-    """Never close a file HDF5 cannot flush. h5py's close of it fails half way, and then the
-    datasets' deallocation (at GC or exit) segfaults in HDF5. One more reference on each of its
-    open ids keeps HDF5 from ever freeing them; the process exits cleanly, and the caller
-    removes the file (its disk space returns when the process ends)."""
-    try:
-        ids = h5f.get_obj_ids(f.id, h5f.OBJ_ALL)
-        for i in ids:
-            h5i.inc_ref(i)
-        _ABANDONED.append((f, ids))
-    except Exception:  # noqa: BLE001  (nothing safer is left to do)
-        _ABANDONED.append((f, None))
-
-
-def _reason(e: BaseException) -> str:
-    """An I/O failure in a few words, on one line (h5py's messages span lines and name its buffers)."""
-    raw = e.strerror if isinstance(e, OSError) and e.strerror else str(e)  # (h5py's strerror spans lines too)
-    text = " ".join(str(raw).split())
-    m = re.search(r"errno = (\d+)", text)
-    if m:
-        try:
-            return os.strerror(int(m.group(1)))
-        except ValueError:
-            pass
-    m = re.search(r"error message = '([^']+)'", text)
-    if m:
-        return m.group(1)
-    return text[:200] or type(e).__name__
