@@ -177,7 +177,8 @@ class Observer:
     or scalars. An observer may keep an event (and its arrays) past the call: the
     engine never mutates what it emitted.
 
-    Order within one step: on_kernel* and on_allreduce* (during the forward), on_kv_write*, on_routing*,
+    Order within one step: on_kernel* and on_allreduce* (during the forward), on_kv_write*
+    (or on_kv_writes), on_routing*,
     on_token*, on_request* (arrivals are sent before the step that first
     schedules them; finishes after its tokens), then on_step, which closes the
     step: a writer flushes there.
@@ -200,6 +201,13 @@ class Observer:
 
     def on_allreduce(self, event: AllReduce) -> None: ...
     def on_kv_write(self, write: KvWrite) -> None: ...
+
+    def on_kv_writes(self, writes: list[KvWrite]) -> None:
+        """A step's KV writes in one call; on_kv_write each unless overridden (the trace
+        writer takes the list whole)."""
+        for w in writes:
+            self.on_kv_write(w)
+
     def on_routing(self, routing: Routing) -> None: ...
     def on_token(self, event: TokenEvent) -> None: ...
     def on_request(self, event: RequestEvent) -> None: ...
