@@ -124,3 +124,51 @@ def test_slices_go_with_the_op():
     del op
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.fixture
+def fresh_proofs(monkeypatch):
+    """Proofs in memory only, none made yet (a new process, DIVERGENCE_PROOF_CACHE=off)."""
+    from divergence.engine.kernels import backend_proofs
+
+    monkeypatch.setenv(backend_proofs.OFF_ENV, "off")
+    monkeypatch.setattr(backend_proofs, "PROOFS", backend_proofs.BackendProofs())
+
+
+@pytest.mark.parametrize("dtype,bias,quantized,tied", CASES, ids=IDS)
+def test_gemv_and_batch_invariant_keep_their_definitions_bits(fresh_proofs, streams, dtype, bias, quantized, tied):
+    """Where a proof lets them run as one native call, the bits are the definition's."""
+    op = make_op(160, 352, dtype, bias=bias, quantized=quantized, tied=tied)
+    for m in (1, 2, 3, 4, 7, 8, 9, 17):
+        x = mx.random.normal((m, 352), key=mx.random.key(m + 100)).astype(dtype)
+        assert np.array_equal(_bits(kernels.run_gemv(x, op)), _bits(kernels.gemv_rows(x, op))), m
+        assert np.array_equal(_bits(kernels.run_batch_invariant(x, op)), _bits(kernels.tiled(x, op))), m
+
+
+class _ShapeDependent(nn.Linear):
+    """A backend whose product depends on how many rows the call has."""
+
+    def __call__(self, x):
+        return super().__call__(x) + x.shape[0]
+
+
+def test_a_kernel_that_depends_on_m_keeps_its_definition(fresh_proofs):
+    lin = _ShapeDependent(64, 32, bias=False)
+    op = LinearOp.from_module("gate_proj", lin)
+    x = mx.random.normal((3, 64), key=mx.random.key(5))
+    assert not op.proved(kernels.GEMV, 3, x.dtype) and not op.proved(kernels.BATCH_INVARIANT, 3, x.dtype)
+    assert np.array_equal(_bits(kernels.run_gemv(x, op)), _bits(old_gemv(x, op)))
+    assert not np.array_equal(_bits(kernels.run_gemv(x, op)), _bits(op.native(x)))
+    assert np.array_equal(_bits(kernels.run_batch_invariant(x, op)), _bits(kernels.tiled(x, op)))
+    assert not np.array_equal(_bits(kernels.run_batch_invariant(x, op)), _bits(op.native(x)))
+
+
+def test_bf16_rows_are_proved_on_the_cpu(fresh_proofs):
+    """MLX's bf16 CPU matmul sums each output in one order whatever M: gemv and
+    batch-invariant run as one native call there (the speed-up this proof is for)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("CPU kernels")
+    op = make_op(160, 352, mx.bfloat16, bias=False, quantized=False)
+    assert all(op.proved(kernels.GEMV, m, mx.bfloat16) for m in (2, 3, 4))
+    assert all(op.proved(kernels.BATCH_INVARIANT, m, mx.bfloat16) for m in (1, 5, 8, 9))
+

@@ -206,3 +206,29 @@ def row_alone_is_exact(op, m: int, row: int, dtype) -> bool:
         return bool((raw_bits(whole) == raw_bits(alone)).all())
 
     return PROOFS.proved(key, probe)
+
+
+def same_as_native(op, kernel: str, m: int, dtype) -> bool:
+    """Does `kernel` ("gemv": each row its own M=1 call; "batch-invariant": rows padded to
+    INVARIANT_TILE-row calls) give, at m rows of `dtype`, the bits of one native m-row call?
+    Where it does (MLX's bf16 / fp16 CPU matmul: one fixed-order sum per output, whatever M;
+    an fp32 BLAS only at the row counts its kernels agree), the kernel runs as that one call:
+    the same bits, without m weight passes or the padding rows. Probed on random rows of the
+    op's own weights, as row_alone_is_exact is."""
+    from . import linear
+
+    definition = {linear.GEMV: linear.gemv_rows, linear.BATCH_INVARIANT: linear.tiled}[kernel]
+    if kernel == linear.BATCH_INVARIANT:
+        kernel = f"{kernel}{linear.INVARIANT_TILE}"
+    key = f"same-as-native:{kernel}:{op.name}:{op.n}x{op.k}:{op.precision}:{dtype}:{m}"
+
+    def probe() -> bool:
+        from .bits import raw_bits
+
+        x = mx.random.normal((m, op.k), key=mx.random.key(13)).astype(dtype)
+        ours, native = definition(x, op), op.native(x)
+        mx.eval(ours, native)
+        return bool((raw_bits(ours) == raw_bits(native)).all())
+
+    return PROOFS.proved(key, probe)
+

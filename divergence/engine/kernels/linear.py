@@ -24,6 +24,7 @@ GEMM_TILE = 64  # output tile edge used by the split-K heuristic
 GEMM_TARGET_TILES = 32  # split K until about this many (tile x split) work items
 GEMM_MIN_CHUNK = 32  # never split K below this many columns
 INVARIANT_TILE = 8  # rows per call of the batch-invariant kernel
+GEMV, BATCH_INVARIANT = "gemv", "batch-invariant"  # the kernels that may run as one native call where proved
 
 
 @dataclass
@@ -55,6 +56,18 @@ class LinearOp:
         # gemm's K-slices of the weights, per chunk: {chunk: (weight they were cut from, slices)}.
         # On the op, so they go when the model does.
         self._k_slices: dict = {}
+        self._proved: dict = {}  # (kernel, m, dtype) -> does that kernel give native's bits here
+
+    def proved(self, kernel: str, m: int, dtype) -> bool:
+        """Whether `kernel` (gemv, batch-invariant) at m rows of `dtype` has the bits of one
+        native m-row call here (backend_proofs.same_as_native: probed once per backend)."""
+        key = (kernel, m, dtype)
+        got = self._proved.get(key)
+        if got is None:
+            from .backend_proofs import same_as_native
+
+            got = self._proved[key] = same_as_native(self, kernel, m, dtype)
+        return got
 
     def k_slices(self, chunk: int) -> list[tuple[int, int, tuple]]:
         """(k0, k1, operands) of each K-chunk of the weights: contiguous copies, evaluated
@@ -123,8 +136,14 @@ def run_native(x: mx.array, op: LinearOp) -> mx.array:
 
 def run_gemv(x: mx.array, op: LinearOp) -> mx.array:
     m = x.shape[0]
-    if m == 1:
-        return op.native(x)
+    if m == 1 or op.proved(GEMV, m, x.dtype):
+        return op.native(x)  # proved: every row of the m-row call has the bits of the row alone
+    return gemv_rows(x, op)
+
+
+def gemv_rows(x: mx.array, op: LinearOp) -> mx.array:
+    """gemv as defined: each row its own M=1 call of the native op."""
+    m = x.shape[0]
     split = _spread(m, op, x.dtype)
     if split is None:
         return mx.concatenate([op.native(x[i : i + 1]) for i in range(m)], axis=0)
@@ -142,6 +161,14 @@ def run_gemv(x: mx.array, op: LinearOp) -> mx.array:
 
 
 def run_batch_invariant(x: mx.array, op: LinearOp) -> mx.array:
+    if op.proved(BATCH_INVARIANT, x.shape[0], x.dtype):
+        return op.native(x)  # proved: the m-row call has the bits of the padded tiles' rows
+    return tiled(x, op)
+
+
+def tiled(x: mx.array, op: LinearOp) -> mx.array:
+    """batch-invariant as defined: rows padded to INVARIANT_TILE, the native op on tiles of
+    that many rows only."""
     m = x.shape[0]
     pad = (-m) % INVARIANT_TILE
     if pad:
