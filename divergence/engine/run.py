@@ -148,22 +148,29 @@ class Run:
                 continue
             self._arrived(admitted)
             decoding = [w.seq for w in work if not w.prefill]
-            if self.draft is not None and decoding:
-                verify, sampled, proposals = SpecRound(self, sched, work, decoding).execute()
+            rnd = SpecRound(self, sched, work, decoding) if self.draft is not None and decoding else None
+            if rnd is not None and rnd.drafting:
+                ahead = None  # (a decode queued ahead is superseded: the verify rewrites its position)
+                verify, sampled, proposals = rnd.execute()
                 self.proposals.update(proposals)
                 self.commit(sched, verify, sampled)
             else:
+                # also a round the draft-length control gave no drafts (serve --spec-adaptive):
+                # a plain decode step, so that it may queue the next one ahead as any decode does
+                t0 = time.perf_counter()
                 plan = sched.target_plan(self.take_step(), work)
                 if ahead is not None and _same_layout(ahead.plan, plan):
                     launch, launch.plan = ahead, plan  # the guess holds: its input tokens were right
                 else:
                     launch = self.launch(self.target, plan, full_rows=self.full_rows(plan))
                 ahead = None
-                nxt = sched.next_decode(work, clock) if self.e.overlap else None
+                nxt = sched.next_decode(work, clock) if self.e.overlap and (rnd is None or rnd.next_plain) else None
                 if nxt is not None and all(w.seq.request.sampling.greedy for w in nxt):
                     ahead = self._launch_ahead(sched, launch, nxt)
                 sampled = self.collect(launch)
                 self.commit(sched, launch, sampled)
+                if rnd is not None:
+                    rnd.observed(time.perf_counter() - t0)
             clock += 1
 
     def _more(self, sched: Scheduler, clock: int) -> bool:

@@ -10,8 +10,10 @@ the Run (run.py) commits them: it owns the scheduler bookkeeping and the events,
 module only drives the round's steps.
 
 A run may carry a `spec_control` (speculative.AdaptiveDraft: `serve --spec-adaptive`'s): it
-picks each round's draft length, up to the engine's k (0: the round is one verify of each
-sequence's last token), and is told how long the round took.
+picks each round's draft length, up to the engine's k, and is told how long the round took.
+A round of no drafts is no speculative round: the Run steps it as a plain decode (phase
+DECODE, the draft cache catching up at the next drafting round), which may queue the next
+step ahead when the control already knows that one drafts nothing too.
 """
 from __future__ import annotations
 
@@ -39,9 +41,21 @@ class SpecRound:
         if self.control is not None:
             k = self.control.choose(decoding, self.ks)
             self.ks = {i: min(n, k) for i, n in self.ks.items()}
+        self.drafting = max(self.ks.values(), default=0) > 0  # else the Run steps it as a plain decode
         self.props = {s.id: Proposal([], []) for s in decoding}
         # draft steps queued but not collected, with the sequences of each (greedy rounds)
         self.queued: list[tuple[Launch, list[Sequence]]] = []
+
+    @property
+    def next_plain(self) -> bool:
+        """Whether the next round is known to draft nothing (then this one, plain, may queue it ahead)."""
+        peek = getattr(self.control, "next_k", None)  # (a control may not know ahead: then never)
+        return peek is not None and peek() == 0
+
+    def observed(self, seconds: float) -> None:
+        """A round without drafts, stepped by the Run, took `seconds`."""
+        if self.control is not None:
+            self.control.observe(0, seconds)
 
     def execute(self) -> tuple[Launch, smp.Sampled, dict[str, Proposal]]:
         """Run the round: (the verify step's launch, its sampled rows, the proposals)."""

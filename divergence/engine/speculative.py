@@ -160,6 +160,10 @@ class AdaptiveDraft:
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
+    def next_k(self) -> int | None:
+        """The next round's k, where it is known now (None: the next choose closes an epoch)."""
+        return None if self._rounds >= self.epoch else self.k
+
     def observe(self, k: int, seconds: float) -> None:
         """A round took `seconds` (its steps launched to its verify collected)."""
         self._round_s = seconds

@@ -62,6 +62,45 @@ def test_any_draft_lengths_keep_the_targets_greedy_tokens(target, draft, prompts
     assert sum(o.accepted for o in got.outputs.values()) > 0
 
 
+class NoDrafts(Cycle):
+    """A controller that never drafts and says so ahead (as AdaptiveDraft does mid-epoch)."""
+
+    def __init__(self):
+        super().__init__((0,))
+
+    def next_k(self):
+        return 0
+
+
+def test_rounds_without_drafts_are_plain_decodes_queued_ahead(target, draft, prompts, monkeypatch):
+    reqs = [Request(f"r{i}", tuple(target.encode(p)), max_tokens=12, arrival=0) for i, p in enumerate(prompts[:3])]
+    plain = Engine(target, policy="batch-invariant", stop_at_eos=False).run(reqs, "concurrent")
+    phases = []
+
+    class Phases(Observer):
+        def on_step(self, e):
+            phases.append((e.plan.model, {sl.phase for sl in e.plan.slices}))
+
+    spec = Engine(target, draft, policy="batch-invariant", spec_k=3, stop_at_eos=False, observers=[Phases()])
+    ahead = []
+    real = Run._launch_ahead
+    monkeypatch.setattr(Run, "_launch_ahead", lambda self, *a: ahead.append(1) or real(self, *a))
+    got = controlled_run(spec, reqs, "concurrent", NoDrafts())
+    for r in reqs:
+        assert got.outputs[r.id].tokens == plain.outputs[r.id].tokens, r.id
+    assert DRAFT_MODEL not in {m for m, _ in phases}  # the draft never ran: nothing to catch up
+    assert not any("verify" in p for _, p in phases), phases  # no verify of zero proposals
+    assert len(ahead) >= 8  # decode steps were queued before the previous one returned
+
+
+def test_the_controller_knows_the_next_k_only_inside_an_epoch():
+    c = AdaptiveDraft(3, epoch=2, clock=iter(range(100)).__next__)
+    seqs = [Seq("a", 5)]
+    assert c.choose(seqs, {"a": 3}) == 3 and c.next_k() == 3
+    c.choose(seqs, {"a": 3})
+    assert c.next_k() is None  # the next choose closes the epoch: its k is not known yet
+
+
 def test_a_sampling_request_runs_at_any_draft_length(target, draft, prompts):
     reqs = [Request("g", tuple(target.encode(prompts[0])), max_tokens=16),
             Request("s", tuple(target.encode(prompts[1])), max_tokens=16, arrival=2, sampling=Sampling(0.8, 0.9, 7))]

@@ -109,8 +109,9 @@ class Scheduler:
         """The work of the step after `work` (an all-decode step, not committed yet) if it is
         known before that step's tokens are: the same sequences decode again, less those that
         end by length, and nothing can be admitted. None when it is not predictable. A
-        sequence ending by EOS makes the guess wrong; the step loop then rebuilds the step."""
-        if self.spec_k or not work or any(w.prefill for w in work):
+        sequence ending by EOS makes the guess wrong; the step loop then rebuilds the step.
+        With a draft model the caller asks only where the next round drafts nothing."""
+        if not work or any(w.prefill for w in work):
             return None
         if self.waiting:
             nxt = self.waiting[0]
