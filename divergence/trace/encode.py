@@ -126,7 +126,7 @@ class Encoder:
         dt = self.dtypes[table]
         kind = type(objs[0])
         fn, scalar_dt, wide = self._row_fn(table, kind)
-        scalars = np.array(list(map(fn, objs)), scalar_dt)
+        scalars = _records(list(map(fn, objs)), scalar_dt)
         if not wide and scalar_dt == dt:
             return scalars
         rec = np.empty(len(objs), dt)
@@ -205,7 +205,7 @@ class Encoder:
                 self.n_input += len(s.tokens)
                 self.n_logit_rows += len(s.logit_rows)
             self.n_slices += len(plan.slices)
-        self._put(out, "slices", np.array(slices, self.dtypes["slices"]))
+        self._put(out, "slices", _records(slices, self.dtypes["slices"]))
         self._put(out, "slice_tokens", _values(input_tokens, self.dtypes["slice_tokens"]))
         self._put(out, "slice_logit_rows", _values(logit_rows, self.dtypes["slice_logit_rows"]))
         self._put(out, "steps", st)
@@ -248,6 +248,22 @@ class Encoder:
         self.n_choices += len(ch)
         self._put(out, "routing", rec)
         self._put(out, "routing_choices", ch)
+
+
+def _records(rows: list[tuple], dt: np.dtype) -> np.ndarray:
+    """np.array(rows, dt) for rows of scalars, a column at a time (numpy packs a tuple into a
+    compound record field by field through generic code: ~3x the time of np.fromiter per
+    column); anything fromiter refuses goes the generic way, as before."""
+    n = len(rows)
+    if n < 16:
+        return np.array(rows, dt)
+    rec = np.empty(n, dt)
+    try:
+        for name, col in zip(dt.names, zip(*rows)):
+            rec[name] = np.fromiter(col, dt[name], n)
+    except (TypeError, ValueError, OverflowError):
+        return np.array(rows, dt)
+    return rec
 
 
 def _hashes(arrs: list, n: int) -> np.ndarray:
