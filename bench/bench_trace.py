@@ -12,7 +12,11 @@ arriving at step 0: B=8 decode) in each variant, the order rotating per repetiti
   cost of producing trace events, no writer);
 * `v2`: this package's TraceWriter (schema 2: flush thread, compound tables);
 * `v1`: the schema-1 writer as it was before (loaded from git, `--v1-rev`), for
-  the before/after ratios.
+  the before/after ratios;
+* `base`: this package's trace writer at another git revision (`--base-rev`: the
+  whole divergence/trace package as it was there), for before/after ratios of a
+  change measured in one process, paired (on a busy machine the overheads of two
+  separate bench runs are not comparable).
 
 Overhead = median over repetitions of (variant time / untraced time) - 1, time =
 Engine.run to the writer closed, as wall time, as CPU time of
@@ -26,6 +30,8 @@ plus bytes per token. Writes bench/results/trace.json.
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.abc
 import importlib.util
 import subprocess
 import sys
@@ -76,6 +82,39 @@ def load_v1_writer(rev: str):
     return mods["writer"].TraceWriter
 
 
+class _GitPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports `name`.X as divergence/trace/X.py at git revision `rev` (the package's own
+    relative imports resolve inside it; `..` imports go to the current divergence)."""
+
+    def __init__(self, name: str, rev: str):
+        self.name, self.rev = name, rev
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=fullname == self.name)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        if module.__name__ == self.name:
+            module.__path__ = []
+            return
+        rel = module.__name__[len(self.name) + 1:].replace(".", "/")
+        src = subprocess.run(["git", "show", f"{self.rev}:divergence/trace/{rel}.py"], cwd=C.ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        src = src.replace("from ..", "from divergence.")
+        exec(compile(src, f"{self.rev}:divergence/trace/{rel}.py", "exec"), module.__dict__)
+
+
+def load_base_writer(rev: str):
+    """The TraceWriter of divergence/trace at git revision `rev`, with its own copy of the package."""
+    name = f"_trace_base_{rev}"
+    sys.meta_path.insert(0, _GitPackage(name, rev))
+    return importlib.import_module(f"{name}.writer").TraceWriter
+
+
 def requests(encode, n_tokens: int, prompt_len: int) -> list[Request]:
     return [Request(f"r{i}", tuple(p), max_tokens=n_tokens) for i, p in enumerate(C.prompts(encode, B, prompt_len))]
 
@@ -111,7 +150,7 @@ def measure(name: str, path, dtype: str, args, writers: dict) -> dict:
     loaded = C.load(path, dtype)
     engine = Engine(loaded, None, policy="native", stop_at_eos=False, top_k=8)
     reqs = requests(loaded.encode, args.tokens, args.prompt)
-    variants = ["untraced", "events", "v2"] + (["v1"] if "v1" in writers else [])
+    variants = ["untraced", "events", "v2"] + [v for v in ("base", "v1") if v in writers]
     walls = {m: {v: [] for v in variants} for m in METRICS}
     sizes, tokens = {}, 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,6 +176,10 @@ def measure(name: str, path, dtype: str, args, writers: dict) -> dict:
         out[f"overhead_{m}"] = {v: ratio[v] - 1.0 if ratio[v] is not None else None for v in variants
                                 if v != "untraced"}
         out[f"v2_vs_v1_{m}"] = C.paired_ratio(walls[m]["v2"], walls[m]["v1"]) if "v1" in variants else None
+        if "base" in variants:
+            out[f"v2_vs_base_{m}"] = C.paired_ratio(walls[m]["v2"], walls[m]["base"])
+    if "base" in variants:
+        out["base_rev"] = args.base_rev
     out["overhead"] = out["overhead_wall"]
     return out
 
@@ -211,6 +254,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="generated tokens per request")
     ap.add_argument("--prompt", type=int, default=32, help="prompt length")
     ap.add_argument("--v1-rev", default=None, help="git revision of the schema-1 writer (default 6d4603a; '' or --quick: skip)")
+    ap.add_argument("--base-rev", default="", help="git revision of divergence/trace to compare against (variant base)")
     ap.add_argument("--writer-steps", type=int, default=200, help="steps of the writer-only timing (0: skip)")
     ap.add_argument("--target", default=None, help="fixture target directory")
     ap.add_argument("--model-cache", default=None, help="where the random qwen0.5b model is generated/reused")
@@ -223,6 +267,8 @@ def main() -> None:
     args.out = C.out_path("trace", args.quick, args.out)
 
     writers = {"v2": TraceWriter}
+    if args.base_rev:
+        writers["base"] = load_base_writer(args.base_rev)
     if args.v1_rev:
         writers["v1"] = load_v1_writer(args.v1_rev)
     target, _, where = C.fixture_paths(args.target)
@@ -245,11 +291,12 @@ def main() -> None:
             rows.append([r["model"], r["dtype"], f"B={B}x{r['tokens_per_request']}", m,
                          C.fmt(r[f"{m}_s"]["untraced"]["median"]), C.fmt(100 * o["events"], 1) + "%",
                          C.fmt(100 * o["v2"], 1) + "%", C.fmt(100 * v1, 1) + "%" if v1 is not None else "-",
-                         C.fmt(r[f"v2_vs_v1_{m}"], 3), C.fmt(r["bytes_per_token"].get("v2"), 0),
-                         C.fmt(r["bytes_per_token"].get("v1"), 0)])
+                         C.fmt(r[f"v2_vs_v1_{m}"], 3), C.fmt(r.get(f"v2_vs_base_{m}"), 3),
+                         C.fmt(100 * o["base"], 1) + "%" if o.get("base") is not None else "-",
+                         C.fmt(r["bytes_per_token"].get("v2"), 0), C.fmt(r["bytes_per_token"].get("v1"), 0)])
     print()
     print(C.table(rows, ["model", "dtype", "run", "time", "untraced s", "events only", "v2 overhead", "v1 overhead",
-                         "v2/v1", "v2 B/token", "v1 B/token"]))
+                         "v2/v1", "v2/base", "base overhead", "v2 B/token", "v1 B/token"]))
     print(f"(goal: v2 overhead <= {GOAL:.0%}; wall = elapsed, cpu = all threads of the process, thread = the "
           "engine's thread)")
     if alone:
