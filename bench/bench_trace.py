@@ -33,6 +33,7 @@ import argparse
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -195,8 +196,8 @@ def synthetic_steps(n_steps: int, layers: int = 24, k: int = 8):
     for s in range(n_steps):
         kern = [KernelChoice(s, "target", L, op, B, "native", B, 896, 896) for L in range(layers) for op in ops]
         kern.append(KernelChoice(s, "target", layers, "lm_head", B, "native", B, 151936, 896))
-        h = rng.integers(0, 2**63, (layers, B), dtype=np.uint64)
-        kv = [KvWrite(s, "target", f"r{i}", L, 3 + s, 1, h[L, i:i + 1], h[L, i:i + 1]) for i in range(B)
+        h = rng.integers(0, 2**63, (2, layers, B), dtype=np.uint64)  # K and V differ, as real hashes do
+        kv = [KvWrite(s, "target", f"r{i}", L, 3 + s, 1, h[0, L, i:i + 1], h[1, L, i:i + 1]) for i in range(B)
               for L in range(layers)]
         ids = rng.integers(0, 151936, (B, k)).astype(np.int32)
         vals = rng.normal(10, 1, (B, k)).astype(np.float32)
@@ -271,6 +272,7 @@ def main() -> None:
         writers["base"] = load_base_writer(args.base_rev)
     if args.v1_rev:
         writers["v1"] = load_v1_writer(args.v1_rev)
+    load_before = os.getloadavg()  # (other work on the machine: the ratios' noise)
     target, _, where = C.fixture_paths(args.target)
     paths = {"fixture": target, "qwen0.5b": None}
     results = []
@@ -311,7 +313,10 @@ def main() -> None:
                        "B/token", "B/token marginal", "fixed KB"]))
         print("(writer alone: a 0.5B-shaped decode step's events at B=8, 24 layers; v1 flushes on the engine "
               "thread, v2 on its flush thread)")
-    C.write_json(Path(args.out), {"meta": C.meta(args), "fixture": where, "results": results,
+    print(f"(load average, 1 min: {load_before[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
+          f"{os.cpu_count()} CPUs)")
+    loadavg = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]}
+    C.write_json(Path(args.out), {"meta": C.meta(args), "loadavg_1_5_15min": loadavg, "fixture": where, "results": results,
                                   "writer_engine_thread": alone})
 
 
