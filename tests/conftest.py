@@ -20,6 +20,14 @@ pytest_plugins = ["pytester"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# Probe results, proofs and vocabularies go to a cache of this test run, never the user's:
+# tests swap in stand-in kernels, and what a session measures must not outlive it. Made by
+# the first process that loads this file (pytest-xdist's controller, before its workers
+# start: they inherit it, so the run shares one cold cache, as on CI), removed at its exit.
+if "DIVERGENCE_CACHE_DIR" not in os.environ:
+    os.environ["DIVERGENCE_CACHE_DIR"] = tempfile.mkdtemp(prefix="divergence-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["DIVERGENCE_CACHE_DIR"], ignore_errors=True)
+
 # This session's own temp dir (children inherit TMPDIR): what the commands under test leave
 # there is checked at the end, whatever else runs on the machine.
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="divergence-tests-"))

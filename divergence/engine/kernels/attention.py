@@ -53,6 +53,12 @@ def run_batched(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: fl
     return sdpa(q, k, v, scale=scale, mask=mask)
 
 
+# The kernels as defined here, taken when this module loads: a stand-in swapped in for the
+# module's names later (tests, another backend's behaviour) is not them, whenever the
+# modules that ask (native_classes: what may be stored on disk) are first imported.
+OWN_KERNELS = (run_per_seq, run_batched)
+
+
 def attend(prep: PreparedStep, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
     """q: [T, heads, 1, head_dim] (after RoPE) -> [T, heads * head_dim] in step row order."""
     T, H, _, hd = q.shape

@@ -134,6 +134,9 @@ def run_native(x: mx.array, op: LinearOp) -> mx.array:
     return op.native(x)
 
 
+OWN_NATIVE = run_native  # as defined here (see attention.OWN_KERNELS)
+
+
 def run_gemv(x: mx.array, op: LinearOp) -> mx.array:
     m = x.shape[0]
     if m == 1 or op.proved(GEMV, m, x.dtype):

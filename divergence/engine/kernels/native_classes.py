@@ -48,12 +48,14 @@ PROBE_METHOD = 1  # part of every stored key: a change of the probe above must n
 DIGEST_ROWS = 16  # weight rows sampled into a linear op's key
 
 SIGNATURES = BackendStore("native-classes")  # one per process: the backend is the process's
-# the backend's own kernels: a signature is stored only when the probe runs these
-_OWN_KERNELS = (kernels.run_native, attention.run_per_seq, attention.run_batched)
-
-
 def _own_kernels() -> bool:
-    return (kernels.run_native, attention.run_per_seq, attention.run_batched) == _OWN_KERNELS
+    """Whether the probes run the backend's own kernels (a signature is stored or read only
+    then). Compared with the functions their modules defined, not with what those names held
+    when this module was first imported: a stand-in swapped in before that import (a test's
+    split-KV attention) once passed for the own kernel and wrote its signature into the user's
+    cache, where every later process read it (bisect then named no op)."""
+    return (kernels.run_native, attention.run_per_seq, attention.run_batched) == (kernels.OWN_NATIVE,
+                                                                                  *attention.OWN_KERNELS)
 
 
 def _weights_digest(op: LinearOp) -> str:
