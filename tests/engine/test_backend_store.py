@@ -111,32 +111,28 @@ def test_off_is_memory_only(cache, monkeypatch):
     assert written == [] and not list(tmp.iterdir())
 
 
-def test_exit_writes_what_is_pending(tmp_path):
+def _putter(cache, flush_after_s: float, n: int, key: str) -> tuple[str, dict]:
+    """(code, env) of a child process that puts n keys (`key` an f-string of i and sys.argv)."""
     code = textwrap.dedent(f"""
-        import os
-        os.environ[{bp.CACHE_ENV!r}] = {str(tmp_path)!r}
+        import os, sys
+        os.environ[{bp.CACHE_ENV!r}] = {str(cache)!r}
         from divergence.engine.kernels import backend_proofs as bp
-        bp.FLUSH_AFTER_S = 3600.0
+        bp.FLUSH_AFTER_S = {flush_after_s!r}
         s = bp.BackendStore("test")
-        for i in range(20):
-            s.put(f"k{{i}}", i)
+        for i in range({n}):
+            s.put(f"{key}", i)
     """)
-    env = {k: v for k, v in __import__("os").environ.items() if k != bp.OFF_ENV}
+    return code, {k: v for k, v in __import__("os").environ.items() if k != bp.OFF_ENV}
+
+
+def test_exit_writes_what_is_pending(tmp_path):
+    code, env = _putter(tmp_path, 3600.0, 20, "k{i}")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
     assert _stored(next(tmp_path.glob("test-*.json"))) == {f"k{i}": i for i in range(20)}
 
 
 def test_concurrent_processes_leave_a_whole_file(tmp_path):
-    code = textwrap.dedent(f"""
-        import os, sys
-        os.environ[{bp.CACHE_ENV!r}] = {str(tmp_path)!r}
-        from divergence.engine.kernels import backend_proofs as bp
-        bp.FLUSH_AFTER_S = 0.0
-        s = bp.BackendStore("test")
-        for i in range(40):
-            s.put(f"{{sys.argv[1]}}{{i}}", i)
-    """)
-    env = {k: v for k, v in __import__("os").environ.items() if k != bp.OFF_ENV}
+    code, env = _putter(tmp_path, 0.0, 40, "{sys.argv[1]}{i}")
     procs = [subprocess.Popen([sys.executable, "-c", code, tag], env=env) for tag in ("a", "b")]
     assert [p.wait() for p in procs] == [0, 0]
     got = _stored(next(tmp_path.glob("test-*.json")))  # parses: never a torn write
