@@ -58,11 +58,7 @@ def run_engine(path: Path, dtype: str, prompts: Path, n: int, out: Path) -> dict
            "--schedules", "concurrent", "--max-tokens", str(n), "--ignore-eos", "--out", str(out), "--json"]
     if dtype != "stored":
         cmd += ["--dtype", dtype]
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=C.ROOT)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"divergence run failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    p, wall = _timed(cmd, "divergence run")
     rep = json.loads(p.stdout)
     toks = [r["tokens"]["concurrent"] for r in rep["requests"]]
     size = sum(f.stat().st_size for f in out.glob("*.h5"))
@@ -70,13 +66,31 @@ def run_engine(path: Path, dtype: str, prompts: Path, n: int, out: Path) -> dict
 
 
 def run_bg(path: Path, dtype: str, prompts: Path, n: int) -> dict:
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", BG_SCRIPT, str(path), dtype, str(prompts), str(n)],
-                       capture_output=True, text=True, env=_env(), cwd=C.ROOT)
-    wall = time.perf_counter() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"BatchGenerator script failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    p, wall = _timed([sys.executable, "-c", BG_SCRIPT, str(path), dtype, str(prompts), str(n)], "BatchGenerator script")
     return {"wall_s": wall, "tokens": json.loads(p.stdout.strip().splitlines()[-1])["tokens"]}
+
+
+HANG_S = 600.0  # a process this much slower than any run here has hung (see _timed)
+HUNG: list[str] = []  # the runs that hung and were run again (reported in the JSON)
+
+
+def _timed(cmd: list[str], what: str, tries: int = 3):
+    """(the finished process, its wall seconds). A run that passes HANG_S is killed and run
+    again, at most `tries` times: mlx-lm's BatchGenerator in fp32 over the system OpenBLAS
+    hung in about 1 run in 5 on the 0.5B shape (all its threads in futex waits, no CPU)."""
+    for attempt in range(tries):
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=C.ROOT, timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            HUNG.append(what)
+            print(f"   {what} hung (> {HANG_S:.0f} s): killed, running it again", flush=True)
+            continue
+        wall = time.perf_counter() - t0
+        if p.returncode != 0:
+            raise SystemExit(f"{what} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+        return p, wall
+    raise SystemExit(f"{what} hung {tries} times (> {HANG_S:.0f} s each)")
 
 
 def _env() -> dict:
@@ -147,7 +161,7 @@ def main():
                          "same tokens"])
     print("\n" + txt)
     C.write_json(Path(a.out), {"meta": meta, "goal": GOAL, "results": results, "table": txt.splitlines(),
-                               "seconds": time.perf_counter() - t0})
+                               "seconds": time.perf_counter() - t0, "hung_and_rerun": HUNG})
 
 
 if __name__ == "__main__":
