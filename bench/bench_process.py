@@ -49,7 +49,9 @@ while responses := gen.next_generated():
     for r in responses:
         out[r.uid].append(int(r.token))
 gen.close()
-print(json.dumps({"tokens": [out[u] for u in uids], "seconds": time.perf_counter() - t0}))
+print(json.dumps({"tokens": [out[u] for u in uids], "seconds": time.perf_counter() - t0}), flush=True)
+import os
+os._exit(0)  # (OpenBLAS 0.3.21's exit handler, gotoblas_quit, can deadlock joining its threads here)
 '''
 
 
@@ -76,8 +78,10 @@ HUNG: list[str] = []  # the runs that hung and were run again (reported in the J
 
 def _timed(cmd: list[str], what: str, tries: int = 3):
     """(the finished process, its wall seconds). A run that passes HANG_S is killed and run
-    again, at most `tries` times: mlx-lm's BatchGenerator in fp32 over the system OpenBLAS
-    hung in about 1 run in 5 on the 0.5B shape (all its threads in futex waits, no CPU)."""
+    again, at most `tries` times. The BatchGenerator script over the system OpenBLAS hung at
+    exit in about 1 run in 5 on the 0.5B shape, its output already printed: gdb shows
+    OpenBLAS 0.3.21's gotoblas_quit joining a worker thread that waits on its condition
+    variable. The script now leaves with os._exit; this stays as the net."""
     for attempt in range(tries):
         t0 = time.perf_counter()
         try:
