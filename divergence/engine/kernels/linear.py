@@ -87,11 +87,9 @@ class LinearOp:
         return f"q{m.bits}g{m.group_size}" if self.quantized else str(self.weight_dtype)
 
     def native(self, x: mx.array) -> mx.array:
-        if cpu_split.MAY_SPLIT and self.splittable:
-            split = cpu_split.split_for(x.size // x.shape[-1], self.n, self.k, x.dtype,
-                                        self.quantized or x.dtype == self.weight_dtype, self.quantized)
-            if split is not None:
-                return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
+        split = _spread(x.size // x.shape[-1], self, x.dtype)
+        if split is not None:
+            return cpu_split.linear(x, self.module, self.tied_embedding, split)  # same bits, more cores
         return self._product(x)
 
     @classmethod
@@ -207,7 +205,8 @@ def run_gemm(x: mx.array, op: LinearOp, splits: int) -> mx.array:
 
 
 def _spread(m: int, op: LinearOp, dtype) -> cpu_split.ColumnSplit | None:
-    """The CPU split `native` would take for this (m, N, K) product, or None."""
+    """The CPU split of this (m, N, K) product, or None: the one decision `native` takes and
+    gemm / gemv share their work out by."""
     if not (cpu_split.MAY_SPLIT and op.splittable):
         return None
     return cpu_split.split_for(m, op.n, op.k, dtype, op.quantized or dtype == op.weight_dtype, op.quantized)
