@@ -7,13 +7,12 @@ or where the cache cannot be read or written, they are decoded as before."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import xxhash
 
 from ..core.atomic import write_atomic
-from .kernels.backend_proofs import OFF_ENV, cache_dir
+from .kernels.backend_proofs import cache_dir, cache_off
 from .model.loading import LoadedModel
 
 METHOD = "decode-each-1"  # bump when the way pieces are made changes: old entries are then not read
@@ -43,7 +42,7 @@ def pieces(loaded: LoadedModel, n: int) -> list[str]:
 
 
 def _cache_file(loaded: LoadedModel, n: int) -> Path | None:
-    if os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none"):
+    if cache_off():
         return None
     root = Path(loaded.path) if getattr(loaded, "path", None) else None
     files = [root / f for f in TOKENIZER_FILES if root is not None and (root / f).is_file()]

@@ -41,6 +41,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "divergence")
 
 
+def cache_off() -> bool:
+    """DIVERGENCE_PROOF_CACHE=off (or 0 / no / none): measured values stay in memory."""
+    return os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none")
+
+
 class BackendStore:
     """Values measured on the backend in use, kept per backend fingerprint in the user cache
     dir: `<prefix>-<fingerprint digest>.json`, {"fingerprint": ..., "<prefix>": {key: value}}.
@@ -69,7 +74,7 @@ class BackendStore:
         _STORES.add(self)
 
     def _file(self) -> Path | None:
-        if os.environ.get(OFF_ENV, "").strip().lower() in ("off", "0", "no", "none"):
+        if cache_off():
             return None
         if self._path is None:
             self._fingerprint = fingerprint()
