@@ -184,6 +184,9 @@ def test_a_failed_flush_is_one_line_and_no_partial(tmp_path, capsys, monkeypatch
         return real(self)
 
     monkeypatch.setattr(h5py.File, "flush", flush)
+    # a write (and its flush) at every hand-off, not every 0.5 s: else a fast machine finishes
+    # the serial run within 3 flushes and renames it over the old serial.h5, as a run should
+    monkeypatch.setattr("divergence.trace.writer.FLUSH_SECONDS", 0.0)
     rc, _, err = run(["run", "--out", tmp_path, "--max-tokens", "6", "--json"], capsys)
     monkeypatch.undo()
     one_line(rc, err, "No space left on device")
