@@ -20,7 +20,8 @@ import pytest
 from divergence.engine.kernels import splits as cpu_split
 from divergence.engine.kernels.linear import LinearOp
 
-pytestmark = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the split runs on the CPU only")
+pytestmark = [pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the split runs on the CPU only"),
+              pytest.mark.blas]  # fp32 bits are OpenBLAS kernels': every core (.ci/blas-cores)
 
 
 def _bits(a: mx.array) -> np.ndarray:

@@ -16,6 +16,8 @@ import pytest
 from divergence.engine.kernels import linear as kernels, splits as cpu_split
 from divergence.engine.kernels.linear import LinearOp
 
+pytestmark = pytest.mark.blas  # fp32 bits are OpenBLAS kernels': every core (.ci/blas-cores)
+
 
 def _bits(a: mx.array) -> np.ndarray:
     mx.eval(a)

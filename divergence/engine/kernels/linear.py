@@ -70,9 +70,9 @@ class LinearOp:
         return got
 
     def k_slices(self, chunk: int) -> list[tuple[int, int, tuple]]:
-        """(k0, k1, operands) of each K-chunk of the weights: contiguous copies, evaluated
-        once (slicing the weights on every call made a strided view that each product
-        copied again). The same values in the same order as the slices, so the same bits."""
+        """(k0, k1, operands) of each K-chunk of the weights, evaluated once (slicing the
+        weights on every call made a strided view that each product copied again): the
+        arrays, layout included, that the product made of each slice, so the same bits."""
         w = self.module.weight
         got = self._k_slices.get(chunk)
         if got is None or got[0] is not w:
@@ -212,6 +212,12 @@ def _spread(m: int, op: LinearOp, dtype) -> cpu_split.ColumnSplit | None:
     return cpu_split.split_for(m, op.n, op.k, dtype, op.quantized or dtype == op.weight_dtype, op.quantized)
 
 
+def split_parts(m: int, op: LinearOp, dtype) -> int:
+    """Column parts of an m-row native call of op (1: unsplit): a key of the proofs about it."""
+    split = _spread(m, op, dtype)
+    return 1 if split is None else split.parts
+
+
 def _cut_k(op: LinearOp, chunk: int) -> list[tuple[int, int, tuple]]:
     """The weights' K-chunks as run_gemm multiplies them: (W[:, k0:k1].T,) for a dense op,
     (packed W, scales, biases) columns for a quantized one; contiguous and evaluated."""
@@ -220,7 +226,12 @@ def _cut_k(op: LinearOp, chunk: int) -> list[tuple[int, int, tuple]]:
     for k0 in range(0, op.k, chunk):
         k1 = min(op.k, k0 + chunk)
         if not op.quantized:
-            operands = (mx.contiguous(mod.weight[:, k0:k1]),)
+            # as the product reads W[:, k0:k1].T: a strided view, which MLX's CPU matmul copies
+            # to a row-contiguous [chunk, N] first (untransposed B), or W.T itself when the
+            # chunk is all of K (transposed B, no copy). BLAS kernels differ by that flag: at
+            # M = 1 OpenBLAS's SkylakeX core gives other fp32 bits for a transposed [N, chunk]
+            wt = mod.weight.T if k1 - k0 == op.k else mx.contiguous(mod.weight[:, k0:k1].T)
+            operands = (wt,)
         else:
             per_word, g = 32 // mod.bits, mod.group_size
             operands = (mx.contiguous(mod.weight[:, k0 // per_word : k1 // per_word]),
@@ -228,9 +239,6 @@ def _cut_k(op: LinearOp, chunk: int) -> list[tuple[int, int, tuple]]:
                         mx.contiguous(mod.biases[:, k0 // g : k1 // g]) if "biases" in mod else None)
         out.append((k0, k1, operands))
     mx.eval([a for _, _, ops in out for a in ops if a is not None])
-    if not op.quantized:  # the transposed view, taken once (a view: no copy, no node per call)
-        out = [(k0, k1, (w.T,)) for k0, k1, (w,) in out]
-        mx.eval([ops[0] for _, _, ops in out])
     return out
 
 
