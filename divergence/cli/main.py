@@ -126,5 +126,13 @@ def main(argv=None) -> int:
         return 1
 
 
+def console() -> None:
+    """The `divergence` command (console script and `python -m divergence`): main(), then
+    leave without the interpreter's teardown (leave.py says why)."""
+    from .leave import leave
+
+    leave(main())
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    console()
