@@ -114,6 +114,11 @@ def bench_one(name: str, path: Path, dtype: str, n_req: int, prompt_len: int, n:
             f.write(json.dumps({"id": f"r{i}", "tokens": p}) + "\n")
     print(f"\n== {name} {dtype}: {n_req} requests x {n} tokens, prompts of {prompt_len}", flush=True)
     eng, bg = [], []
+    # one untimed run of each first: the first process of a bench (the engine's, in rep 1) ran
+    # 3-4 s slower than every later one (fp32 0.5B, twice), and the same command run by hand
+    # three times in a row did not
+    run_engine(path, dtype, prompts, n, tmp / "warmup")
+    run_bg(path, dtype, prompts, n)
     for rep in range(reps):
         jobs = [("engine", lambda: run_engine(path, dtype, prompts, n, tmp / f"out{rep}")),
                 ("bg", lambda: run_bg(path, dtype, prompts, n))]
