@@ -25,7 +25,9 @@ import mlx.core as mx
 
 CACHE_ENV = "DIVERGENCE_CACHE_DIR"
 OFF_ENV = "DIVERGENCE_PROOF_CACHE"
-PROOF_METHOD = 1  # part of the fingerprint: a change of how things are proved must not reuse old proofs
+PROOF_METHOD = 2  # part of the fingerprint: a change of how things are proved must not reuse old proofs
+# (2: probe rows that reveal another summation order, order_probe.py, beside the random ones)
+REVEALING_SEEDS = (0, 1, 2)  # order_probe rows per proof, each aimed at other output columns
 
 
 def fingerprint() -> dict:
@@ -202,13 +204,12 @@ def row_alone_is_exact(op, m: int, row: int, dtype) -> bool:
     key = f"row-alone:{op.name}:{op.n}x{op.k}:{op.precision}:{dtype}:{m}:{row}"
 
     def probe() -> bool:
-        from .bits import raw_bits
+        def same(x):
+            whole = op.native(x)[row]
+            alone = op.native(x[row: row + 1])[0]
+            return whole, alone
 
-        x = mx.random.normal((m, op.k), key=mx.random.key(11)).astype(dtype)
-        whole = op.native(x)[row]
-        alone = op.native(x[row: row + 1])[0]
-        mx.eval(whole, alone)
-        return bool((raw_bits(whole) == raw_bits(alone)).all())
+        return _equal_on_probe_rows(op, m, dtype, 11, same)
 
     return PROOFS.proved(key, probe)
 
@@ -218,8 +219,9 @@ def same_as_native(op, kernel: str, m: int, dtype) -> bool:
     INVARIANT_TILE-row calls) give, at m rows of `dtype`, the bits of one native m-row call?
     Where it does (MLX's bf16 / fp16 CPU matmul: one fixed-order sum per output, whatever M;
     an fp32 BLAS only at the row counts its kernels agree), the kernel runs as that one call:
-    the same bits, without m weight passes or the padding rows. Probed on random rows of the
-    op's own weights, as row_alone_is_exact is."""
+    the same bits, without m weight passes or the padding rows. Probed with the op's own
+    weights on random rows and on rows that reveal another summation order, as
+    row_alone_is_exact is."""
     from . import linear
 
     definition = {linear.GEMV: linear.gemv_rows, linear.BATCH_INVARIANT: linear.tiled}[kernel]
@@ -233,12 +235,23 @@ def same_as_native(op, kernel: str, m: int, dtype) -> bool:
     key = f"same-as-native:{kernel}:{op.name}:{op.n}x{op.k}:{op.precision}:{dtype}:{m}:parts{parts}"
 
     def probe() -> bool:
-        from .bits import raw_bits
-
-        x = mx.random.normal((m, op.k), key=mx.random.key(13)).astype(dtype)
-        ours, native = definition(x, op), op.native(x)
-        mx.eval(ours, native)
-        return bool((raw_bits(ours) == raw_bits(native)).all())
+        return _equal_on_probe_rows(op, m, dtype, 13, lambda x: (definition(x, op), op.native(x)))
 
     return PROOFS.proved(key, probe)
 
+
+def _equal_on_probe_rows(op, m: int, dtype, key: int, pair: Callable) -> bool:
+    """Do the two arrays `pair(x)` computes have the same bits for every probe x: random normal
+    rows, and rows that reveal another summation order (order_probe: random rows rounded to a
+    bf16 output hide most reorderings of an fp32 sum, so a probe of them alone proves little)."""
+    from .bits import raw_bits
+    from .order_probe import revealing_rows
+
+    probes = [mx.random.normal((m, op.k), key=mx.random.key(key)).astype(dtype)]
+    probes += [revealing_rows(op, m, dtype, seed) for seed in REVEALING_SEEDS]
+    for x in probes:
+        a, b = pair(x)
+        mx.eval(a, b)
+        if not (raw_bits(a) == raw_bits(b)).all():
+            return False
+    return True
