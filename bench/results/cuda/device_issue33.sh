@@ -1,0 +1,38 @@
+#!/bin/bash
+# Issue 33 on the lent H200 (the `device` tool), from the repo root. One script for every
+# call; each step runs once per warm machine (a .done file) and only when the call has time
+# left for it, so later calls pick up where the last one stopped:
+#   1. carry .whl-c1 (mlx + mlx-lm wheels, the first part of mlx-cuda-13), STAGE=1: saves them
+#   2. carry .whl-c2 (the rest): installs, then runs the steps below in order.
+# Results go to /root/res and come back as one archive in $OUT.
+R=/root/res; mkdir -p $R
+[ "$STAGE" = 1 ] || exec > >(tee -a $R/log.txt) 2>&1
+. bench/results/cuda/install_mlx_cuda.sh
+LIMIT=${LIMIT:-570}
+step() {  # step NAME MIN_SECONDS_LEFT CMD...: once per warm machine, stdout to $R/NAME
+  local name=$1 need=$2; shift 2
+  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return  # ONLY="a b": just these steps
+  [ -f $R/$name.done ] && { echo "== $name: done earlier"; return; }
+  [ $((LIMIT - SECONDS)) -lt $need ] && { echo "== $name: skipped"; return; }
+  echo "== $name ($(date +%T), $((LIMIT - SECONDS))s left): $*"
+  local t0=$SECONDS
+  timeout $((LIMIT - SECONDS - 10)) "$@" > $R/$name.tmp; local rc=$?
+  mv $R/$name.tmp $R/$name; echo "== $name rc=$rc in $((SECONDS - t0))s"
+  [ $rc -le 1 ] && [ -s $R/$name ] && touch $R/$name.done
+}
+MC=/root/mc; Q=$MC/qwen0.5b-random-bf16
+step env.txt 20 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info().get('device_name'))"
+step compile.txt 150 python3 bench/compile_decode.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --model-cache $MC --out $R/compile.json
+step pytest_cuda.txt 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
+step context_bf16.txt 150 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
+step context_4bit.txt 150 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
+step profile.txt 90 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
+step sdpa_choice.txt 40 bash -c "python3 bench/sdpa_kernel_choice.py; echo '-- MLX_CUDA_USE_CUDNN_SDPA=0'; MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/sdpa_kernel_choice.py"
+step pytest_cuda_nocudnn.txt 100 env MLX_CUDA_USE_CUDNN_SDPA=0 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k "long"
+step sweep_bi.json 300 python3 -m divergence sweep --model $Q -n 1000 --policy batch-invariant --json
+# after the proofs' order-revealing probe (PROOF_METHOD 2): ONLY="env.txt proof_check.txt sweep_bi_v2.json pytest_cuda_v2.txt"
+step proof_check.txt 60 python3 bench/proof_check.py --model qwen0.5b --model-cache $MC --out $R/proof_check.json
+step sweep_bi_v2.json 240 python3 -m divergence sweep --model $Q -n 1000 --policy batch-invariant --json
+step pytest_cuda_v2.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
+ls -la $R
+tar czf $OUT/results.tgz -C $R . && ls -la $OUT
