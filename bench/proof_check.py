@@ -37,6 +37,7 @@ def old_probe(op, kernel, m, dtype) -> bool:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="fixture | qwen0.5b | qwen0.5b-4bit (default: qwen0.5b; --quick: fixture)")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rows", default="1-16")
     ap.add_argument("--model-cache", default=None)
@@ -45,7 +46,7 @@ def main():
     meta = C.meta(a)
     target, _d, _w = C.fixture_paths()
     name = a.model or ("fixture" if a.quick else "qwen0.5b")
-    t = C.load(C.model_path(name, target, a.model_cache), None)
+    t = C.load(C.model_path(name, target, a.model_cache), a.dtype)
     dtype = t.dtype if not isinstance(t.dtype, str) else getattr(mx, t.dtype)
     lo, hi = (int(v) for v in a.rows.split("-"))
     inner = t.model.model if hasattr(t.model, "model") else t.model
