@@ -3,19 +3,10 @@
 #   1. carry .whl-c1 (mlx + mlx-lm wheels, the first part of mlx-cuda-13): STAGE=1 saves them
 #   2. carry .whl-c2 (the rest): installs, then runs the checks and benchmarks below.
 # Results go to /root/res and come back as one archive in $OUT.
-R=/root/res; mkdir -p $R
-[ "$STAGE" = 1 ] || exec > >(tee -a $R/log.txt) 2>&1
+mkdir -p /root/res
+[ "$STAGE" = 1 ] || exec > >(tee -a /root/res/log.txt) 2>&1
 . bench/results/cuda/install_mlx_cuda.sh
-LIMIT=${LIMIT:-570}
-step() {  # step NAME MIN_SECONDS_LEFT CMD...: once per warm machine, stdout to $R/NAME
-  local name=$1 need=$2; shift 2
-  [ -f $R/$name.done ] && { echo "== $name: done earlier"; return; }
-  [ $((LIMIT - SECONDS)) -lt $need ] && { echo "== $name: skipped"; return; }
-  echo "== $name ($(date +%T), $((LIMIT - SECONDS))s left): $*"
-  timeout $((LIMIT - SECONDS - 10)) "$@" > $R/$name.tmp; local rc=$?
-  mv $R/$name.tmp $R/$name; echo "== $name rc=$rc"
-  [ $rc -le 1 ] && [ -s $R/$name ] && touch $R/$name.done
-}
+. bench/results/cuda/device_steps.sh
 step env.txt 20 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info().get('device_name'))"
 step engine.txt 200 python3 bench/bench_engine.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --batches 1,8 --reps 5 --model-cache /root/mc --out $R/engine.json
 step profile.txt 60 python3 bench/profile_engine.py --models qwen0.5b --dtypes bfloat16 --batches 1,8 --model-cache /root/mc --no-pyinstrument --out $R/profile.json

@@ -5,21 +5,10 @@
 #   1. carry .whl-c1 (mlx + mlx-lm wheels, the first part of mlx-cuda-13), STAGE=1: saves them
 #   2. carry .whl-c2 (the rest): installs, then runs the steps below in order.
 # Results go to /root/res and come back as one archive in $OUT.
-R=/root/res; mkdir -p $R
-[ "$STAGE" = 1 ] || exec > >(tee -a $R/log.txt) 2>&1
+mkdir -p /root/res
+[ "$STAGE" = 1 ] || exec > >(tee -a /root/res/log.txt) 2>&1
 . bench/results/cuda/install_mlx_cuda.sh
-LIMIT=${LIMIT:-570}
-step() {  # step NAME MIN_SECONDS_LEFT CMD...: once per warm machine, stdout to $R/NAME
-  local name=$1 need=$2; shift 2
-  [ -n "$ONLY" ] && [[ " $ONLY " != *" $name "* ]] && return  # ONLY="a b": just these steps
-  [ -f $R/$name.done ] && { echo "== $name: done earlier"; return; }
-  [ $((LIMIT - SECONDS)) -lt $need ] && { echo "== $name: skipped"; return; }
-  echo "== $name ($(date +%T), $((LIMIT - SECONDS))s left): $*"
-  local t0=$SECONDS
-  timeout $((LIMIT - SECONDS - 10)) "$@" > $R/$name.tmp; local rc=$?
-  mv $R/$name.tmp $R/$name; echo "== $name rc=$rc in $((SECONDS - t0))s"
-  [ $rc -le 1 ] && [ -s $R/$name ] && touch $R/$name.done
-}
+. bench/results/cuda/device_steps.sh
 MC=/root/mc; Q=$MC/qwen0.5b-random-bf16
 step env.txt 20 python3 -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info().get('device_name'))"
 step compile.txt 150 python3 bench/compile_decode.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --model-cache $MC --out $R/compile.json
