@@ -1,8 +1,8 @@
-"""Buffered events -> record arrays of each table (runs on the writer's flush thread).
+"""Buffered events -> record arrays of each table (the writer encodes a few steps' events at once).
 
-The engine thread only appends event objects to lists; everything here (codes,
-request indexes, running offsets, padding of 2-D columns) happens off it, batch by
-batch, in order. An event fills the columns its fields are named after (`request`
+The writer appends event objects to lists as they come; everything here (codes,
+request indexes, running offsets, padding of 2-D columns) happens a batch at a time,
+in order. An event fills the columns its fields are named after (`request`
 from `request_id`); columns it lacks get their schema default.
 """
 from __future__ import annotations
@@ -18,12 +18,10 @@ from . import schema as S
 
 @dataclass
 class Batch:
-    """Everything emitted since the last hand-off, per table, in emission order."""
+    """Everything emitted since the last encoding, per table, in emission order."""
 
     items: dict = field(default_factory=dict)  # table -> list of event objects or Cols
     steps: int = 0  # StepEvents in this batch
-    last: bool = False  # the closing hand-off: nothing follows it
-    write: bool = True  # write (and commit) everything encoded so far; False: encode only
 
     def add(self, table: str, item) -> None:
         lst = self.items.get(table)
@@ -50,7 +48,6 @@ class Cols(dict):
     """Columns given to TraceWriter.append (arrays or scalars, broadcast to one length)."""
 
 
-_COMPILED: dict[str, object] = {}  # row function source -> code
 _K_HASHES, _V_HASHES, _DTYPE = attrgetter("k_hashes"), attrgetter("v_hashes"), attrgetter("dtype")
 _WORDS = {np.dtype(np.uint64), np.dtype(np.int64)}  # hashes whose bytes are their uint64 values
 
@@ -63,14 +60,11 @@ class Encoder:
         self.req = _Codes(request_index, "request")
         self.n_slices = self.n_input = self.n_logit_rows = self.n_hashes = self.n_choices = 0
         self._attrs: dict = {}
-        self._rows: dict = {}
+        self._readers: dict = {}
 
-    def encode(self, batch: Batch, *, pause=None) -> dict[str, list[np.ndarray]]:
-        """pause: called after each table (the flush thread lets the engine thread run)."""
+    def encode(self, batch: Batch) -> dict[str, list[np.ndarray]]:
         out: dict[str, list[np.ndarray]] = {}
         for table, items in batch.items.items():
-            if pause is not None:
-                pause()
             for group in _runs(items):
                 if isinstance(group, Cols):
                     self._put(out, table, self._cols(table, group))
@@ -121,17 +115,24 @@ class Encoder:
         rec[name] = vals
 
     def _objects(self, table: str, objs: list) -> np.ndarray:
-        """Records of event objects: the scalar columns through one generated tuple
-        function per (table, event type), 2-D columns padded row by row."""
+        """Records of event objects: every scalar column's values read at once for all of them
+        (one attrgetter call an object, in C), code columns mapped through their name table,
+        2-D columns padded row by row."""
         dt = self.dtypes[table]
-        kind = type(objs[0])
-        fn, scalar_dt, wide = self._row_fn(table, kind)
-        scalars = _records(list(map(fn, objs)), scalar_dt)
-        if not wide and scalar_dt == dt:
-            return scalars
-        rec = np.empty(len(objs), dt)
-        for name in scalar_dt.names:
-            rec[name] = scalars[name]
+        n = len(objs)
+        get, scalars, defaults, wide = self._reader(table, type(objs[0]))
+        rec = np.empty(n, dt)
+        try:
+            if scalars:
+                cols = zip(*map(get, objs)) if len(scalars) > 1 else (map(get, objs),)
+                for (name, codes), col in zip(scalars, cols):
+                    rec[name] = np.fromiter(col if codes is None else map(codes.__getitem__, col), dt[name], n)
+        except (TypeError, ValueError, OverflowError):  # values fromiter refuses: numpy's conversion
+            rows = list(map(get, objs)) if len(scalars) > 1 else [(v,) for v in map(get, objs)]
+            for (name, codes), col in zip(scalars, zip(*rows)):
+                rec[name] = np.array(list(col if codes is None else map(codes.__getitem__, col)), dt[name])
+        for name, default in defaults:
+            rec[name] = default
         for name, attr in wide:
             c = S.TABLES[table].columns[name]
             if attr is None:
@@ -140,32 +141,25 @@ class Encoder:
                 self._fill(rec, name, c, list(map(attrgetter(attr), objs)))
         return rec
 
-    def _row_fn(self, table: str, kind: type):
+    def _reader(self, table: str, kind: type):
+        """(attrgetter of the scalar columns' fields, [(column, its code table or None)],
+        [(column, default)] for columns the event lacks, [(2-D column, field or None)])."""
         key = (table, kind)
-        if key not in self._rows:
+        got = self._readers.get(key)
+        if got is None:
             dt = self.dtypes[table]
-            env, exprs, names, wide = {}, [], [], []
+            attrs, scalars, defaults, wide = [], [], [], []
             for name, c in S.TABLES[table].columns.items():
                 attr = self._attr(kind, name)
                 if dt[name].shape:
                     wide.append((name, attr))
-                    continue
-                names.append(name)
-                if attr is None:
-                    env[f"d_{name}"] = c.default
-                    exprs.append(f"d_{name}")
-                elif c.codes is not None:
-                    env[f"c_{name}"] = self._table_of(c)
-                    exprs.append(f"c_{name}[o.{attr}]")
+                elif attr is None:
+                    defaults.append((name, c.default))
                 else:
-                    exprs.append(f"o.{attr}")
-            src = f"lambda o: ({', '.join(exprs)},)"
-            code = _COMPILED.get(src)
-            if code is None:  # (compiling costs ~0.15 ms: once per process, not per run)
-                code = _COMPILED[src] = compile(src, "<trace row>", "eval")
-            fn = eval(code, env)  # noqa: S307  (built from schema names only)
-            self._rows[key] = (fn, np.dtype([(n, dt[n]) for n in names]), wide)
-        return self._rows[key]
+                    attrs.append(attr)
+                    scalars.append((name, None if c.codes is None else self._table_of(c)))
+            got = self._readers[key] = (attrgetter(*attrs) if attrs else None, scalars, defaults, wide)
+        return got
 
     def _attr(self, kind: type, column: str) -> str | None:
         key = (kind, column)

@@ -1,12 +1,13 @@
-"""Streams engine events into an HDF5 trace (h5py, SWMR), off the engine's thread.
+"""Streams engine events into an HDF5 trace (h5py, SWMR); the file's writes off the engine's thread.
 
-On the engine thread an event costs one list append. Every ENCODE_STEPS steps the
-batch is handed to a flush thread, which turns it into record arrays (encode.py)
-and writes their whole chunks into the table bodies at once, while the engine
-computes (MLX waits without the GIL), so closing a short run neither encodes nor
-writes the whole run on the engine's time. Every FLUSH_SECONDS (or FLUSH_STEPS
-steps) the thread writes each extended table's rows past its last whole chunk into
-a tail slot (layout.py), flushes the file, then writes
+On the engine thread an event costs one list append, and every ENCODE_STEPS steps
+the batch is encoded into record arrays (encode.py) there: events then live a few
+steps (see _encode). The records go to a flush thread, which writes their whole
+chunks into the table bodies at once while the engine computes (MLX waits without
+the GIL): every EXTEND_SECONDS, so that a run shorter than that wakes it only to
+create the file, and its close writes the lot at once, on the engine thread. Every
+FLUSH_SECONDS (or FLUSH_STEPS steps) the thread writes each extended table's rows
+past its last whole chunk into a tail slot (layout.py), flushes the file, then writes
 the commit record and flushes it: readers see whole flushes only, so a run killed
 with SIGKILL leaves a readable file holding every flushed step, marked incomplete
 (`durable_steps` says how many are on disk).
@@ -32,7 +33,8 @@ from .h5lock import H5_LOCK
 
 FLUSH_SECONDS = 0.5
 FLUSH_STEPS = 256
-ENCODE_STEPS = 8  # steps per hand-off between writes: encoded on arrival, written at the next flush
+ENCODE_STEPS = 8  # steps whose events are encoded at once, on the engine thread (see on_step)
+EXTEND_SECONDS = 0.25  # records handed to the flush thread between writes no more often than this
 _OFFSETS = {"steps": ("slice_offset",), "slices": ("token_offset", "logit_offset"), "kv_writes": ("hash_offset",),
             "routing": ("choice_offset",)}
 QUEUE_BATCHES = 32  # hand-offs the flush thread may lag behind before the engine waits (bounded memory)
@@ -72,8 +74,10 @@ class TraceWriter(Observer):
         self.tables: dict[str, layout.TableFile] = {}
         self._req_index: dict[str, int] = {}
         self._live_prompt_rows = 0  # rows of /live_prompt_tokens so far
-        self._batch = Batch()
+        self._batch = Batch()  # events since the last encoding
+        self._out = _Records()  # their records, encoded since the last hand-off
         self._last_write = 0.0  # when the engine last asked for a write (perf_counter)
+        self._last_handoff = 0.0  # when the engine last handed a batch off (perf_counter)
         self._unwritten = 0  # steps handed off since then
         self._dirty: dict[str, None] = {}  # tables extended since the last commit (flush thread)
         self._encoded_steps = 0  # steps encoded since then
@@ -107,7 +111,7 @@ class TraceWriter(Observer):
                                              dtypes=dtypes)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
         self._encoder = Encoder(dtypes, self._req_index, self.code_tables)
-        self._last_write = time.perf_counter()
+        self._last_write = self._last_handoff = time.perf_counter()
         self._started = True
         if self.background:  # the file is created on the flush thread too, while the engine starts
             self._queue = queue.Queue(QUEUE_BATCHES)
@@ -197,10 +201,12 @@ class TraceWriter(Observer):
         b = self._batch
         b.add("steps", e)
         b.steps += 1
+        if b.steps >= ENCODE_STEPS:
+            self._encode()
         now = time.perf_counter()
-        if now - self._last_write >= FLUSH_SECONDS or self._unwritten + b.steps >= FLUSH_STEPS:
+        if now - self._last_write >= FLUSH_SECONDS or self._unwritten + self._out.steps + b.steps >= FLUSH_STEPS:
             self._handoff(wait=False)
-        elif b.steps >= ENCODE_STEPS:
+        elif self._out.steps and now - self._last_handoff >= EXTEND_SECONDS:
             self._handoff(wait=False, write=False)
 
     def flush(self) -> None:
@@ -209,22 +215,48 @@ class TraceWriter(Observer):
             self._handoff(wait=True)
 
     # -- hand-off and the flush thread -----------------------------------------------------
-    def _handoff(self, *, wait: bool, last: bool = False, write: bool = True) -> None:
-        """write=False: only to be encoded; its rows are written with the next write."""
-        self._raise_if_failed()
+    def _encode(self) -> None:
+        """The events since the last encoding into records, on this thread: an event lives a
+        few steps, not until the flush thread's next turn or the close (held that long, a
+        run's events all outlive a young-generation collection, and every few runs the
+        cyclic GC then scans the whole heap: ~50 ms a time beside a fixture run). Records
+        are numpy arrays, which the GC does not track."""
         batch, self._batch = self._batch, Batch()
-        batch.last, batch.write = last, write or last
-        if batch.write:
-            self._last_write, self._unwritten = time.perf_counter(), 0
+        self._raise_if_failed()
+        try:
+            encoded = self._encoder.encode(batch)
+        except Exception as e:  # as a failed write: one TraceError, what is on disk stays readable
+            self._error = e
+            self._raise_if_failed()
+        out = self._out
+        for name, arrs in encoded.items():
+            got = out.tables.get(name)
+            if got is None:
+                out.tables[name] = arrs
+            else:
+                got.extend(arrs)
+        out.steps += batch.steps
+
+    def _handoff(self, *, wait: bool, last: bool = False, write: bool = True) -> None:
+        """The records encoded so far to be written (to the flush thread when there is one);
+        write=False: only extended into the bodies, their rows committed with the next write."""
+        self._raise_if_failed()
+        if (write or last) and (self._batch.items or self._batch.steps):
+            self._encode()
+        out, self._out = self._out, _Records()
+        out.last, out.write = last, write or last
+        now = self._last_handoff = time.perf_counter()
+        if out.write:
+            self._last_write, self._unwritten = now, 0
         else:
-            self._unwritten += batch.steps
+            self._unwritten += out.steps
         if self._queue is None:
             try:
-                self._write(batch)
+                self._write(out)
             except Exception as e:  # as on the flush thread: one TraceError, what is on disk stays readable
                 self._error = e
         else:
-            self._queue.put(batch)
+            self._queue.put(out)
             if wait:
                 self._queue.join()
         self._raise_if_failed()
@@ -247,23 +279,22 @@ class TraceWriter(Observer):
             finally:
                 q.task_done()
 
-    def _write(self, batch: Batch) -> None:
+    def _write(self, out: "_Records") -> None:
         # on the flush thread, give the GIL back between tables: the engine thread wants it
         # the moment its step's compute returns, and would otherwise wait up to the
-        # interpreter's switch interval (5 ms) behind a whole batch's encoding or writes
+        # interpreter's switch interval (5 ms) behind a whole hand-off's writes
         pause = _let_engine_in if threading.current_thread() is self._thread else _no_pause
-        encoded = self._encoder.encode(batch, pause=pause)
-        self._encoded_steps += batch.steps
+        self._encoded_steps += out.steps
         with H5_LOCK:  # whole chunks into the bodies now, while the engine computes: not at the close
-            for name, arrs in encoded.items():
-                self.tables[name].extend(arrs[0] if len(arrs) == 1 else layout.concat(arrs), last=batch.last)
+            for name, arrs in out.tables.items():
+                self.tables[name].extend(arrs[0] if len(arrs) == 1 else layout.concat(arrs), last=out.last)
                 self._dirty[name] = None
                 pause()
-            if not batch.write or not self._dirty:
+            if not out.write or not self._dirty:
                 return
             steps, self._encoded_steps = self._encoded_steps, 0
             dirty, self._dirty = self._dirty, {}
-            if batch.last:  # close flushes and commits once, after finishing the tables
+            if out.last:  # close flushes and commits once, after finishing the tables
                 self._closing_steps = steps
                 return
             for name in dirty:
@@ -289,6 +320,9 @@ class TraceWriter(Observer):
         self._started = False
         error = None
         try:
+            # the last batch on this thread, once the flush thread is done with the ones before
+            # it: no hand-off to wait on, and no wake-up of a thread the GIL is then shared with
+            self._stop_thread()
             self._handoff(wait=True, last=True)
         except TraceError as e:
             error = e
@@ -336,6 +370,18 @@ class TraceWriter(Observer):
             self._thread.join()
             self._thread = None
             self._queue = None
+
+
+class _Records:
+    """Records of some steps, encoded on the engine thread, for one hand-off."""
+
+    __slots__ = ("tables", "steps", "last", "write")
+
+    def __init__(self):
+        self.tables: dict[str, list[np.ndarray]] = {}  # table -> record arrays, in order
+        self.steps = 0  # StepEvents they hold
+        self.last = False  # the closing hand-off: nothing follows it
+        self.write = True  # write (and commit) everything so far; False: into the bodies only
 
 
 def _let_engine_in() -> None:
