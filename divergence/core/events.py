@@ -6,6 +6,7 @@ trace and analysis layers use these types without the engine.
 """
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -98,6 +99,52 @@ class KvWrite:
     # One 64-bit xxh3 hash per position of the exact bytes written (all kv heads).
     k_hashes: np.ndarray  # uint64 [count]
     v_hashes: np.ndarray  # uint64 [count]
+
+
+class StepKvWrites(collections.abc.Sequence):
+    """One step's KV writes (one per slice and layer, slice by slice, layers in order) as the
+    engine emits them in one on_kv_writes call: a sequence of KvWrite events, made when first
+    read, and the same writes as columns for an observer that stores them whole (the trace
+    writer: no event objects made, its records made from the columns at once).
+
+    `k`, `v`: uint64 hashes of every write's positions in write order (a write's are the next
+    `count`); write i is of slice i // layers, layer i % layers."""
+
+    __slots__ = ("step", "model", "slices", "layers", "k", "v", "_events")
+
+    def __init__(self, step: int, model: str, slices: tuple, layers: int, k: np.ndarray, v: np.ndarray):
+        self.step, self.model, self.slices, self.layers, self.k, self.v = step, model, slices, layers, k, v
+        self._events: list[KvWrite] | None = None
+
+    def __len__(self) -> int:
+        return len(self.slices) * self.layers
+
+    def __getitem__(self, i):
+        return self.events()[i]
+
+    def __iter__(self):
+        return iter(self.events())
+
+    def __repr__(self) -> str:
+        return f"StepKvWrites(step={self.step}, model={self.model!r}, writes={len(self)})"
+
+    def events(self) -> list[KvWrite]:
+        """The writes as KvWrite events (made once), their hashes views of k and v."""
+        if self._events is None:
+            step, model, layers, k, v = self.step, self.model, self.layers, self.k, self.v
+            if all(s.count == 1 for s in self.slices):  # decode: a [1] view each, made by iterating
+                ks, vs = iter(k.reshape(-1, 1)), iter(v.reshape(-1, 1))
+                self._events = [KvWrite(step, model, s.request_id, layer, s.start, 1, next(ks), next(vs))
+                                for s in self.slices for layer in range(layers)]
+            else:
+                out, i = [], 0
+                for s in self.slices:
+                    n = s.count
+                    for layer in range(layers):
+                        out.append(KvWrite(step, model, s.request_id, layer, s.start, n, k[i:i + n], v[i:i + n]))
+                        i += n
+                self._events = out
+        return self._events
 
 
 @dataclass

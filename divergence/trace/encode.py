@@ -13,6 +13,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from ..core.events import StepKvWrites
 from . import schema as S
 
 
@@ -71,7 +72,10 @@ class Encoder:
                 elif table == "steps":
                     self._steps(out, group)
                 elif table == "kv_writes":
-                    self._kv(out, group)
+                    if type(group[0]) is StepKvWrites:
+                        self._kv_steps(out, group)
+                    else:
+                        self._kv(out, group)
                 elif table == "routing":
                     self._routing(out, group)
                 else:
@@ -213,6 +217,37 @@ class Encoder:
         if len(h):
             h["k_hash"] = _hashes(list(map(_K_HASHES, writes)), len(h))
             h["v_hash"] = _hashes(list(map(_V_HASHES, writes)), len(h))
+        self._put(out, "kv_writes", rec)
+        self._put(out, "kv_hashes", h)
+
+    def _kv_steps(self, out, steps: list) -> None:
+        """The records of steps' writes given as columns (StepKvWrites): the records _kv makes
+        of their KvWrite events, made per slice, not per write."""
+        models, req = self.codes["models"], self.req
+        per_slice = [(sw.step, models[sw.model], req[s.request_id], s.start, s.count, sw.layers)
+                     for sw in steps for s in sw.slices]
+        if not per_slice:
+            return
+        step, model, request, start, count, layers = (np.array(c, np.int64) for c in zip(*per_slice))
+        n = int(layers.sum())  # writes: one per slice and layer
+        first = np.cumsum(layers) - layers  # each slice's first write
+        cols = {"step": step, "model": model, "request": request, "start": start, "count": count}
+        rec = np.empty(n, self.dtypes["kv_writes"])
+        for name, c in S.TABLES["kv_writes"].columns.items():
+            if name in cols:
+                rec[name] = np.repeat(cols[name], layers)
+            elif name == "layer":
+                rec[name] = np.arange(n) - np.repeat(first, layers)
+            elif name != "hash_offset":
+                rec[name] = c.default
+        counts = np.repeat(count, layers)
+        rec["hash_offset"] = self.n_hashes + np.cumsum(counts) - counts
+        total = int(counts.sum())
+        self.n_hashes += total
+        h = np.empty(total, self.dtypes["kv_hashes"])
+        if total:
+            h["k_hash"] = np.concatenate([sw.k for sw in steps]) if len(steps) > 1 else steps[0].k
+            h["v_hash"] = np.concatenate([sw.v for sw in steps]) if len(steps) > 1 else steps[0].v
         self._put(out, "kv_writes", rec)
         self._put(out, "kv_hashes", h)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.events import (
-    AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, TokenEvent,
+    AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, StepKvWrites, TokenEvent,
 )
 from ..errors import TraceError
 from . import layout, reserve
@@ -146,6 +146,9 @@ class TraceWriter(Observer):
         self._batch.add("kv_writes", w)
 
     def on_kv_writes(self, ws: list[KvWrite]) -> None:
+        if type(ws) is StepKvWrites:  # the engine's: kept whole, encoded from its columns
+            self._batch.add("kv_writes", ws)
+            return
         lst = self._batch.items.get("kv_writes")
         if lst is None:
             self._batch.items["kv_writes"] = list(ws)

@@ -68,3 +68,47 @@ def test_observer_gets_each_event_of_a_list():
     o.on_kernels([1, 2])
     o.on_kv_writes([3, np.uint64(4)])
     assert got == [("k", 1), ("k", 2), ("kv", 3), ("kv", np.uint64(4))]
+
+
+class EachWrite:
+    """Forwards every event to `target`, but a step's KV writes as KvWrite events (the engine
+    gives them whole, as columns: StepKvWrites)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def on_kv_writes(self, ws):
+        self.target.on_kv_writes(list(ws))
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+
+def test_engine_kv_writes_as_columns_record_what_their_events_record(target, draft, tmp_path):
+    """The engine's StepKvWrites (a prefill with draft and verify slices of several positions,
+    decode steps of one each, a prefix hit's inherited writes as events among them) write the
+    tables their KvWrite events write, byte for byte."""
+    from divergence.core.events import StepKvWrites
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+    from divergence.workloads.prompts import DEMO_R2_PROMPT
+
+    base = target.encode(DEMO_R2_PROMPT)
+    reqs = [Request(f"r{i}", tuple(base[: 40 + 9 * i]), max_tokens=10, arrival=3 * i) for i in range(3)]
+    seen = []
+
+    class Spy(Observer):
+        def on_kv_writes(self, ws):
+            seen.append(type(ws))
+
+    paths = tmp_path / "whole.h5", tmp_path / "each.h5"
+    for path, wrap in zip(paths, (lambda w: w, EachWrite)):
+        with TraceWriter(path, top_k=8) as w:
+            Engine(target, draft, policy="threshold:4", spec_k=2, stop_at_eos=False, prefix_caching=True,
+                   observers=[wrap(w), Spy()]).run(reqs, "concurrent")
+    assert StepKvWrites in seen and list in seen  # (a prefix hit's inherited writes: a list of events)
+    with h5py.File(paths[0], "r") as a, h5py.File(paths[1], "r") as b:
+        assert a["kv_writes"].shape[0] > 0
+        for name in S.TABLES:
+            if name != "steps":  # (durations)
+                assert a[name][()].tobytes() == b[name][()].tobytes(), name

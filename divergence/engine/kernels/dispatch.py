@@ -63,7 +63,7 @@ class KernelDispatcher:
         self._attn_fields: dict = {}  # this step's attention event fields but layer (when recording)
         self._attn_key: tuple = ()  # (step, id(prep)) they are of
         self._split, self._split_key = None, ()  # this step's attention head split (see _head_split)
-        self._plain = False
+        self._plain = self._native = False
         # (id(op), layer, m, kernel, splits, dtype) -> (op, the KernelChoice fields but step):
         # see _choice
         self._protos: dict[tuple, tuple[LinearOp, dict]] = {}
@@ -82,8 +82,10 @@ class KernelDispatcher:
         # every linear op of this step is the module's own call, with nothing to record or
         # reduce: skip the per-op policy lookups (~170 ops per step on a 24-layer model)
         sp = self._step_policy
-        self._plain = (isinstance(sp, KernelPolicy) and sp.threshold is None and sp.kernel_for(1) == NATIVE
-                       and self.emit is None and self.parallel is None and not self._unsharded)
+        native = (isinstance(sp, KernelPolicy) and sp.threshold is None and sp.kernel_for(1) == NATIVE
+                  and self.parallel is None and not self._unsharded)
+        self._plain = native and self.emit is None
+        self._native = native and self.emit is not None  # the same, each op recorded (see __call__)
 
     @property
     def step(self) -> int:
@@ -159,6 +161,10 @@ class KernelDispatcher:
     def __call__(self, x: mx.array, op: LinearOp, layer: int) -> mx.array:
         if self._plain:
             return op.native(x)
+        if self._native:  # run_kernel's native branch and event, without its per-op policy lookups
+            out = kernels.run_native(x, op)
+            self.emit(self._choice(op, layer, x.shape[0], NATIVE, 1, x.dtype))
+            return out
         if op.name in self._unsharded and op.shard is not None and self.parallel is not None:
             return self.parallel.run_unsharded(self, x, op, layer)  # the full op, through run_kernel
         return self.run_kernel(x, op, layer)
