@@ -119,21 +119,22 @@ class Encoder:
         rec[name] = vals
 
     def _objects(self, table: str, objs: list) -> np.ndarray:
-        """Records of event objects: every scalar column's values read at once for all of them
-        (one attrgetter call an object, in C), code columns mapped through their name table,
-        2-D columns padded row by row."""
+        """Records of event objects: each scalar column read from all of them at once (a
+        field getter mapped over them, in C: no tuple per object, so no burst of objects
+        for the cyclic GC to count), code columns mapped through their name table, 2-D
+        columns padded row by row."""
         dt = self.dtypes[table]
         n = len(objs)
-        get, scalars, defaults, wide = self._reader(table, type(objs[0]))
+        scalars, defaults, wide = self._reader(table, type(objs[0]))
         rec = np.empty(n, dt)
-        try:
-            if scalars:
-                cols = zip(*map(get, objs)) if len(scalars) > 1 else (map(get, objs),)
-                for (name, codes), col in zip(scalars, cols):
-                    rec[name] = np.fromiter(col if codes is None else map(codes.__getitem__, col), dt[name], n)
-        except (TypeError, ValueError, OverflowError):  # values fromiter refuses: numpy's conversion
-            rows = list(map(get, objs)) if len(scalars) > 1 else [(v,) for v in map(get, objs)]
-            for (name, codes), col in zip(scalars, zip(*rows)):
+        for name, get, codes in scalars:
+            col = map(get, objs)
+            if codes is not None:
+                col = map(codes.__getitem__, col)
+            try:
+                rec[name] = np.fromiter(col, dt[name], n)
+            except (TypeError, ValueError, OverflowError):  # values fromiter refuses: numpy's conversion
+                col = map(get, objs)
                 rec[name] = np.array(list(col if codes is None else map(codes.__getitem__, col)), dt[name])
         for name, default in defaults:
             rec[name] = default
@@ -146,13 +147,13 @@ class Encoder:
         return rec
 
     def _reader(self, table: str, kind: type):
-        """(attrgetter of the scalar columns' fields, [(column, its code table or None)],
-        [(column, default)] for columns the event lacks, [(2-D column, field or None)])."""
+        """([(scalar column, getter of its field, its code table or None)], [(column, default)]
+        for columns the event lacks, [(2-D column, field or None)])."""
         key = (table, kind)
         got = self._readers.get(key)
         if got is None:
             dt = self.dtypes[table]
-            attrs, scalars, defaults, wide = [], [], [], []
+            scalars, defaults, wide = [], [], []
             for name, c in S.TABLES[table].columns.items():
                 attr = self._attr(kind, name)
                 if dt[name].shape:
@@ -160,9 +161,8 @@ class Encoder:
                 elif attr is None:
                     defaults.append((name, c.default))
                 else:
-                    attrs.append(attr)
-                    scalars.append((name, None if c.codes is None else self._table_of(c)))
-            got = self._readers[key] = (attrgetter(*attrs) if attrs else None, scalars, defaults, wide)
+                    scalars.append((name, attrgetter(attr), None if c.codes is None else self._table_of(c)))
+            got = self._readers[key] = (scalars, defaults, wide)
         return got
 
     def _attr(self, kind: type, column: str) -> str | None:
