@@ -78,3 +78,14 @@ def test_a_reordered_fp32_sum_under_bf16_is_refuted(fresh_proofs):
         x = mx.random.normal((m, 352), key=mx.random.key(m)).astype(mx.bfloat16)
         assert np.array_equal(np.array(kernels.run_gemv(x, op).view(mx.uint16)),
                               np.array(kernels.gemv_rows(x, op).view(mx.uint16)))
+
+
+def test_fp16_rows_bound_by_every_column():
+    """In fp16 the columns a row is not aimed at do not cancel: a few much larger weights
+    elsewhere must not overflow the call."""
+    op = make_op(192, 384, mx.float16, bias=False, quantized=False)
+    op.module.weight = op.module.weight * mx.array(np.where(np.arange(192) < 4, 64.0, 1.0)[:, None], dtype=mx.float16)
+    for seed in range(4):
+        x, cols = aimed_rows(op, 5, mx.float16, seed)
+        assert not np.isin(cols, np.arange(4)).all()
+        assert np.isfinite(_f64(op.native(x))).all(), seed

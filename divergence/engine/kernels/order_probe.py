@@ -50,19 +50,34 @@ def aimed_rows(op, m: int, dtype, seed: int) -> tuple[mx.array, np.ndarray]:
     # the largest term |x * w| a row holds: small enough that no column of an fp16 call
     # overflows (PAIRS * 2 terms), large enough to reach far above the small terms
     limit = 2.0 ** (9 if dtype == mx.float16 else 40)
+    # in fp16 the largest weight of any column bounds the inputs (other columns do not cancel)
+    wmax = _largest_weight(op) if dtype == mx.float16 else None
     x = np.zeros((m, op.k), np.float32)
     for r in range(m):
-        x[r] = _row(w[r], None if ids is None else ids[r], group, limit, rng)
+        x[r] = _row(w[r], None if ids is None else ids[r], group, limit, rng, wmax)
     return mx.array(x).astype(dtype), cols
 
 
-def _row(w: np.ndarray, ids: np.ndarray | None, group: int | None, limit: float, rng) -> np.ndarray:
+def _largest_weight(op) -> float:
+    """An upper bound of |w| over the whole op: its largest weight, or for a quantized op
+    its largest |scale| * (2**bits - 1) + |bias| (one pass over the small arrays)."""
+    mod = op.module
+    if not op.quantized:
+        return float(mx.abs(mod.weight).max().astype(mx.float32).item())
+    bound = mx.abs(mod.scales).max().astype(mx.float32) * (2 ** mod.bits - 1)
+    if "biases" in mod and mod.biases is not None:
+        bound = bound + mx.abs(mod.biases).max().astype(mx.float32)
+    return float(bound.item())
+
+
+def _row(w: np.ndarray, ids: np.ndarray | None, group: int | None, limit: float, rng,
+         wmax: float | None = None) -> np.ndarray:
     k = w.shape[0]
     x = np.zeros(k, np.float32)
     nz = np.flatnonzero(w)
-    if nz.size < 2:
+    if nz.size < 2 or not np.isfinite(w).all():
         return rng.standard_normal(k).astype(np.float32)
-    wmax = float(np.abs(w[nz]).max())
+    wmax = max(wmax or 0.0, float(np.abs(w[nz]).max()))
     top = int(np.floor(np.log2(limit / wmax)))  # x = 2**top keeps |x * w| <= limit
     used = np.zeros(k, bool)
     for k1, k2, shift in _pairs(w, ids, nz, group, rng):
