@@ -22,10 +22,11 @@ Overhead = median over repetitions of (variant time / untraced time) - 1, time =
 Engine.run to the writer closed, as wall time, as CPU time of
 the whole process (steadier on a shared machine) and as CPU time of the engine's thread. Bytes per token =
 file size / generated tokens. A second table times the writer alone on the engine
-thread: a 0.5B-shaped step's events (24 layers, B=8) fed to each writer, microseconds
-per step spent in its on_* calls (the flush thread's work excluded for v2, included
-for v1, which flushes on the caller's thread), and the file's bytes as a fixed part
-plus bytes per token. Writes bench/results/trace.json.
+thread: a 0.5B-shaped step's events (24 layers, B=8) fed to each writer as the engine
+hands them (a step's kernel choices and KV writes one call each), microseconds per step
+spent in its on_* calls (v2 encodes every 8 steps there, so its mean is above its
+median; its writes are the flush thread's, excluded; v1 encodes and flushes on the
+caller's thread), and the file's bytes as a fixed part plus bytes per token. Writes bench/results/trace.json.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
 import numpy as np
 
 from divergence.core.events import (
-    KernelChoice, KvWrite, Observer, RunInfo, SeqSlice, StepEvent, StepPlan, TokenEvent,
+    KernelChoice, Observer, RunInfo, SeqSlice, StepEvent, StepKvWrites, StepPlan, TokenEvent,
 )
 from divergence.core.request import Request
 from divergence.engine.engine import Engine
@@ -188,7 +189,7 @@ def measure(name: str, path, dtype: str, args, writers: dict) -> dict:
 # -- the writer alone, on the engine thread ------------------------------------------------------
 def synthetic_steps(n_steps: int, layers: int = 24, k: int = 8):
     """Events of a 0.5B-shaped decode step at B=8 (per step: 7 linear ops x 24 layers + lm_head,
-    a KV write per request and layer, 8 tokens)."""
+    a KV write per request and layer, as the engine's one StepKvWrites, 8 tokens)."""
     rng = np.random.default_rng(0)
     ops = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     reqs = [Request(f"r{i}", (1, 2, 3), max_tokens=n_steps + 1) for i in range(B)]
@@ -196,14 +197,13 @@ def synthetic_steps(n_steps: int, layers: int = 24, k: int = 8):
     for s in range(n_steps):
         kern = [KernelChoice(s, "target", L, op, B, "native", B, 896, 896) for L in range(layers) for op in ops]
         kern.append(KernelChoice(s, "target", layers, "lm_head", B, "native", B, 151936, 896))
-        h = rng.integers(0, 2**63, (2, layers, B), dtype=np.uint64)  # K and V differ, as real hashes do
-        kv = [KvWrite(s, "target", f"r{i}", L, 3 + s, 1, h[0, L, i:i + 1], h[1, L, i:i + 1]) for i in range(B)
-              for L in range(layers)]
+        h = rng.integers(0, 2**63, (2, B * layers), dtype=np.uint64)  # K and V differ, as real hashes do
         ids = rng.integers(0, 151936, (B, k)).astype(np.int32)
         vals = rng.normal(10, 1, (B, k)).astype(np.float32)
         tok = [TokenEvent(s, f"r{i}", 4 + s, int(ids[i, 0]), 0, ids[i], vals[i]) for i in range(B)]
         plan = StepPlan(s, "target", tuple(SeqSlice(f"r{i}", "decode", 3 + s, 1, i, (int(ids[i, 0]),), (0,))
                                            for i in range(B)))
+        kv = StepKvWrites(s, "target", plan.slices, layers, h[0], h[1])  # as the engine's kv_writes gives them
         steps.append((kern, kv, tok, StepEvent(plan, 0.01)))
     return reqs, steps
 
@@ -223,10 +223,8 @@ def writer_thread_cost(writers: dict, n_steps: int, step_s: float) -> list[dict]
                 c0 = time.process_time()
                 for kern, kv, tok, st in steps[:n]:
                     t0 = time.perf_counter()
-                    for c in kern:
-                        w.on_kernel(c)
-                    for x in kv:
-                        w.on_kv_write(x)
+                    w.on_kernels(kern)  # a step's lists in one call each, as the engine hands them
+                    w.on_kv_writes(kv)
                     for t in tok:
                         w.on_token(t)
                     w.on_step(st)
@@ -312,7 +310,7 @@ def main() -> None:
                        "CPU us/step (all threads)", "close s",
                        "B/token", "B/token marginal", "fixed KB"]))
         print("(writer alone: a 0.5B-shaped decode step's events at B=8, 24 layers; v1 flushes on the engine "
-              "thread, v2 on its flush thread)")
+              "thread, v2 encodes there every 8 steps and writes on its flush thread)")
     print(f"(load average, 1 min: {load_before[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end, on "
           f"{os.cpu_count()} CPUs)")
     loadavg = {"start": [round(x, 2) for x in load_before], "end": [round(x, 2) for x in os.getloadavg()]}
