@@ -68,8 +68,8 @@ class Run:
         self.want_kv = engine._wants("wants_kv_hashes")
         self.want_routing = engine._wants("wants_routing")
         self.want_records = engine._wants("wants_records")
-        self._kbuf: list[tuple[str, object]] | None = None
-        emit_k = self._on_dispatch if engine._wants("wants_kernels") else None
+        self._kernels = _KernelSink()
+        emit_k = self._kernels if engine._wants("wants_kernels") else None
         prefix = engine.prefix_caching or schedule == WARM
         self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
                                  engine.block_size, prefix, emit_k)
@@ -224,11 +224,11 @@ class Run:
         """Build the step's forward and sampling graph and queue it (mx.async_eval)."""
         t0 = time.perf_counter()
         kbuf: list[tuple[str, object]] = []
-        self._kbuf = kbuf  # events the graph build emits wait for the step's collect
+        self._kernels.buf = kbuf  # events the graph build emits wait for the step's collect
         try:
             out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing, tokens=tokens)
         finally:
-            self._kbuf = None
+            self._kernels.buf = None
         logits = out.logits
         if state is self.draft and self.e.draft_width < logits.shape[-1]:  # a padded draft head: ids the target lacks
             logits = logits[:, : self.e.draft_width]
@@ -295,10 +295,6 @@ class Run:
         self.step = plan.index + 1
 
     # -- commits and events ----------------------------------------------------------------
-    def _on_dispatch(self, event: KernelChoice | AllReduce) -> None:
-        if self._kbuf is not None:
-            self._kbuf.append(("on_allreduce" if isinstance(event, AllReduce) else "on_kernel", event))
-
     def _arrived(self, admitted: list[Sequence]) -> None:
         for seq in admitted:
             self.e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
@@ -374,3 +370,20 @@ def _same_layout(a: StepPlan, b: StepPlan) -> bool:
     return a.index == b.index and a.model == b.model and len(a.slices) == len(b.slices) and all(
         (x.request_id, x.phase, x.start, x.count, x.row_offset, x.logit_rows)
         == (y.request_id, y.phase, y.start, y.count, y.row_offset, y.logit_rows) for x, y in zip(a.slices, b.slices))
+
+
+class _KernelSink:
+    """Where the dispatchers' kernel events go while a step's graph is built: the step's
+    buffer, or nowhere between steps. Its own object, not a method of the Run: the Run holds
+    its model states, whose dispatchers hold this, so a bound method would make every traced
+    Run cyclic garbage, freed (its KV cache with it) only by a full collection, 25-50 ms
+    beside a fixture run."""
+
+    __slots__ = ("buf",)
+
+    def __init__(self):
+        self.buf: list[tuple[str, object]] | None = None
+
+    def __call__(self, event: KernelChoice | AllReduce) -> None:
+        if self.buf is not None:
+            self.buf.append(("on_allreduce" if isinstance(event, AllReduce) else "on_kernel", event))
