@@ -12,12 +12,15 @@ import xxhash
 HASH_NAME = "xxh3_64"
 
 
-def hash_rows(arr: np.ndarray) -> np.ndarray:
-    """uint64 [count]: the xxh3_64 of each row's contiguous little-endian bytes."""
+def hash_rows(arr: np.ndarray, order: np.ndarray | None = None) -> np.ndarray:
+    """uint64 [count]: the xxh3_64 of each row's contiguous little-endian bytes; with `order`,
+    of rows `order` only, in that order. Each row is hashed through a memoryview slice of the
+    array's buffer (~0.15 us a row), not a numpy row view (~0.5 us)."""
     a = np.ascontiguousarray(arr)
     if a.dtype.byteorder == ">":
         a = a.byteswap().view(a.dtype.newbyteorder("<"))
     width = a.dtype.itemsize * int(np.prod(a.shape[1:]))  # not -1: a step may have no rows
-    rows = a.reshape(a.shape[0], -1 if a.shape[0] else 0).view(np.uint8).reshape(a.shape[0], width)
+    b = memoryview(a.reshape(-1).view(np.uint8))
+    starts = (np.arange(a.shape[0]) if order is None else np.asarray(order, np.int64)) * width
     f = xxhash.xxh3_64_intdigest
-    return np.fromiter((f(r) for r in rows), dtype=np.uint64, count=rows.shape[0])
+    return np.fromiter(map(f, [b[j:j + width] for j in starts.tolist()]), dtype=np.uint64, count=len(starts))
