@@ -1,5 +1,5 @@
 """Why the engine lays K/V out as mlx-lm's KVCache does before a one-row SDPA on MLX CUDA
-(attention.as_mlxlm_reads), measured: run on the GPU, it prints
+(attention.mlxlm_reads), measured: run on the GPU, it prints
 
 1. per prompt length, for 6 greedy steps at B=1 under `native`, whether the engine's top-k
    logits equal the logits of mlx-lm's own model call over its KVCache ("=") or by how much

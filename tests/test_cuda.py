@@ -113,7 +113,7 @@ B1_PROMPTS = ["Return the number of items in a container.", "The socket module p
 B1_TOKENS = 32
 # Long prompts (token counts): decoding crosses 256 and 1024 cached positions, where mlx-lm's
 # KVCache buffer grows and MLX CUDA's SDPA reads row-contiguous K/V with another kernel
-# than strided ones (attention.as_mlxlm_reads)
+# than strided ones (attention.mlxlm_reads)
 B1_LONG = (250, 1020)
 
 
@@ -182,7 +182,7 @@ def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
 
 
 @pytest.mark.xfail(strict=False, reason="open: from 256 cached positions MLX CUDA's one-row SDPA numbers depend on "
-                   "more than the K/V layout the engine now copies from mlx-lm's KVCache (as_mlxlm_reads); "
+                   "more than the K/V layout the engine now copies from mlx-lm's KVCache (mlxlm_reads); "
                    "1-ulp logit differences remain at some steps (bench/results/cuda/README.md)")
 @pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
 def test_b1_native_long_contexts_are_generate_step(tmp_path_factory, bits):

@@ -337,13 +337,27 @@ def test_slice_by_slice_rope_equals_the_one_call_rope(random_model):
     assert all(np.array_equal(a, b) for a, b in zip(*got))
 
 
+@pytest.mark.parametrize("block_size", [16, 12])  # 12 does not divide mlx-lm's 256-position steps
+@pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize("length", [1, 255, 256, 257, 300, 512, 513])
-def test_mlxlm_reads_keep_the_values(length):
-    """as_mlxlm_reads changes only the layout (which MLX CUDA's SDPA reads): same shape and
-    values, whatever the length against mlx-lm's 256-position buffer steps."""
-    from divergence.engine.kernels.attention import as_mlxlm_reads
+def test_mlxlm_reads_keep_the_values(length, consecutive, block_size):
+    """mlxlm_reads (a one-row query's K/V on the GPU, in mlx-lm's buffer layout) reads the
+    values the plain gather reads, whatever the length against mlx-lm's 256-position
+    buffer steps, the blocks' order in the pool and a block size that does not divide 256;
+    the buffer's rows past the sequence (other blocks' K/V) are not part of it."""
+    from divergence.engine.kernels.attention import mlxlm_reads
+    from divergence.engine.model.kv_cache import PagedKVCache
+    from divergence.engine.model.prepared import SeqAttention
 
-    x = mx.random.normal((1, 2, 600, 16)).astype(mx.bfloat16)[:, :, :length]
-    y = as_mlxlm_reads(x)
-    assert y.shape == x.shape and y.dtype == x.dtype
-    assert mx.array_equal(x, y).item()
+    nb = -(-length // block_size)
+    cache = PagedKVCache(2, 2 * (-(-768 // block_size)), block_size, 2, 16, mx.bfloat16)
+    for layer in range(2):
+        cache.k[layer] = mx.random.normal(cache.k[layer].shape).astype(mx.bfloat16)
+        cache.v[layer] = mx.random.normal(cache.v[layer].shape).astype(mx.bfloat16)
+    ids = list(range(3, 3 + nb)) if consecutive else [3 + 2 * b for b in range(nb)][::-1]
+    g = SeqAttention(0, 1, length, mx.array(ids, dtype=mx.int32), ids[0] * block_size if consecutive else None, ids)
+    for layer in range(2):
+        k, v = mlxlm_reads(g, layer, cache)
+        k0, v0 = cache.gather(layer, g.table, length)
+        assert k.shape == k0.shape == (1, 2, length, 16) and k.dtype == mx.bfloat16
+        assert mx.array_equal(k, k0).item() and mx.array_equal(v, v0).item()

@@ -106,7 +106,7 @@ def test_mlx_lm_prefill_layout(random_model, prompts):
 @pytest.mark.parametrize("n", [250, 520])
 def test_long_contexts_match_mlx_lm(target, prompts, n):
     """Prompts whose decode crosses 256 (and 512) cached positions, where mlx-lm's KVCache
-    grows its buffer and hands SDPA K/V of another stride (attention.as_mlxlm_reads)."""
+    grows its buffer and hands SDPA K/V of another stride (attention.mlxlm_reads)."""
     stream = [t for p in prompts for t in target.encode(p)]
     prompt = tuple((stream * (n // len(stream) + 1))[:n])
     engine = Engine(target, policy="native", stop_at_eos=False, prefill="mlx-lm")

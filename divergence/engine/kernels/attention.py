@@ -26,19 +26,35 @@ sdpa = mx.fast.scaled_dot_product_attention
 KV_STEP = 256  # mlx-lm's KVCache grows its buffer by this many positions
 
 
-def as_mlxlm_reads(x: mx.array) -> mx.array:
-    """One sequence's K or V [1, kv_heads, L, hd] laid out as mlx-lm's KVCache hands it to
-    SDPA: a view of a buffer grown KV_STEP positions at a time, so row-contiguous when L
-    fills it and strided by the buffer's length otherwise. On MLX CUDA a one-row SDPA over
-    256 or more positions gives other numbers for other strides (bench/results/cuda/
-    README.md), so the layout is part of mlx-lm's numbers there. Costs one copy of K and
-    of V per layer and step (the pool's own slice has the pool's stride). The CPU's SDPA
-    reads every layout alike, and multi-row (prefill, verify) queries on CUDA took no
-    better to it: both are left as they are."""
+def mlxlm_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.array, mx.array]:
+    """One sequence's K and V [1, kv_heads, L, hd] for a one-row SDPA on the GPU, laid out
+    as mlx-lm's KVCache hands them to SDPA: a view of a buffer grown KV_STEP positions at a
+    time, so row-contiguous when L fills it and strided by the buffer's length otherwise.
+    On MLX CUDA a one-row SDPA over 256 or more positions gives other numbers for other
+    strides (bench/results/cuda/README.md), so the layout is part of mlx-lm's numbers
+    there; under 256 every layout gives the same numbers (layout_onerow.txt), so the
+    pool's own slice is read with no copy. The buffer is made by one block gather per
+    pool (the table padded to the buffer's blocks; rows past L hold whatever those blocks
+    hold and are never read): one kernel each for K and V, where copying the pool's slice
+    into a padded buffer took two (a fill and a copy). The CPU's SDPA reads every layout
+    alike, and multi-row (prefill, verify) queries on CUDA took no better to it: both
+    read the pool as it is."""
+    L = g.length
+    if L < KV_STEP:
+        return cache.gather(layer, g.table, L, first_slot=g.first_slot)
+    rows = -(-L // KV_STEP) * KV_STEP
+    if rows % cache.block_size == 0:
+        return cache.gather_batch(layer, g.padded_table(rows // cache.block_size), L)
+    k, v = cache.gather(layer, g.table, L, first_slot=g.first_slot)  # (a block size that does not divide 256)
+    return _in_buffer(k, rows), _in_buffer(v, rows)
+
+
+def _in_buffer(x: mx.array, rows: int) -> mx.array:
+    """x [1, kv_heads, L, hd] copied into a new [1, kv_heads, rows, hd] buffer, viewed as its
+    first L rows. (When rows == L, `x * 1`: a new buffer of exactly x's bits, where
+    mx.contiguous would hand back a one-KV-head pool slice as a view at an offset.)"""
     L = x.shape[2]
-    if L % KV_STEP == 0:
-        return mx.contiguous(x)
-    return mx.pad(x, [(0, 0), (0, 0), (0, KV_STEP - L % KV_STEP), (0, 0)])[:, :, :L]
+    return mx.pad(x, [(0, 0), (0, 0), (0, rows - L), (0, 0)])[:, :, :L] if rows > L else x * 1
 
 
 def run_per_seq(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
@@ -79,9 +95,10 @@ def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: f
         qs = q[g.row : g.row + 1].reshape(1, H, 1, hd)
     else:
         qs = q[g.row : g.row + n].reshape(n, H, hd).transpose(1, 0, 2)[None]
-    k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
-    if n == 1 and mx.default_device() == mx.gpu:  # (one-row queries; see as_mlxlm_reads)
-        k, v = as_mlxlm_reads(k), as_mlxlm_reads(v)
+    if n == 1 and mx.default_device() == mx.gpu:  # (one-row queries; see mlxlm_reads)
+        k, v = mlxlm_reads(g, layer, cache)
+    else:
+        k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
     o = run_per_seq(qs, k, v, scale)
     return o.reshape(1, H * hd) if n == 1 else o[0].transpose(1, 0, 2).reshape(n, H * hd)
 

@@ -17,6 +17,7 @@ carries its mask: mlx-lm BatchGenerator's calls, which a replay of its traces ma
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -50,6 +51,17 @@ class SeqAttention:
     length: int  # KV positions read: start + count
     table: mx.array  # [ceil(length / block_size)] block ids
     first_slot: int | None = None  # the blocks are consecutive in the pool from this slot: read a slice, no gather
+    host_table: Sequence[int] = ()  # `table`'s ids on the host (a list or numpy array)
+    _padded: tuple = (0, None)  # (blocks, [1, blocks] table): made once per step, read by every layer
+
+    def padded_table(self, blocks: int) -> mx.array:
+        """[1, blocks] block ids: `table` extended with its last id (blocks past `length`
+        are read into a buffer and never used), for a read into a buffer of that size."""
+        if self._padded[0] != blocks:
+            t = [int(b) for b in self.host_table[:blocks]]
+            t += [t[-1]] * (blocks - len(t))
+            self._padded = (blocks, mx.array([t], dtype=mx.int32))
+        return self._padded[1]
 
 
 @dataclass
@@ -146,7 +158,7 @@ def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepar
         for i, t in enumerate(tabs):
             consecutive = all(b - a == 1 for a, b in zip(t, t[1:]))
             groups.append(SeqAttention(i, 1, kv_lens[i], mx.array(t, dtype=mx.int32),
-                                       t[0] * bs if consecutive else None))
+                                       t[0] * bs if consecutive else None, t))
     run = all(b - a == 1 for a, b in zip(slots, slots[1:]))
     identity_logits = logit == list(range(B))
     return PreparedStep(
@@ -217,7 +229,7 @@ def _prepare_general(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepa
             t = tables[i]
             consecutive = len(t) == 1 or bool(np.all(np.diff(t) == 1))
             groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(t),
-                                       int(t[0]) * bs if consecutive else None))
+                                       int(t[0]) * bs if consecutive else None, t))
             order.extend(range(s.row_offset, s.row_offset + s.count))
     slots_np = cat(slots).astype(np.int32)
     run = T == 1 or bool(np.all(np.diff(slots_np) == 1))
