@@ -24,8 +24,9 @@ step proof_check.txt 60 python3 bench/proof_check.py --model qwen0.5b --model-ca
 step sweep_bi_v2.json 240 python3 -m divergence sweep --model $Q -n 1000 --policy batch-invariant --json
 step pytest_cuda_v2.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
 # round 4, mlxlm_reads as one block gather per pool (none under 256 positions):
-#   ONLY="env.txt reads_check.txt pytest_cuda_v3.txt profile_v3.txt context_bf16_v3.txt context_4bit_v3.txt"
+#   ONLY="env.txt reads_check.txt kv_read_cost.txt pytest_cuda_v3.txt profile_v3.txt context_bf16_v3.txt context_4bit_v3.txt"
 step reads_check.txt 60 python3 bench/sdpa_reads_check.py --trials 3 --out $R/sdpa_reads_check.json
+step kv_read_cost.txt 60 python3 bench/kv_read_cost.py --reps 20 --out $R/kv_read_cost.json
 step pytest_cuda_v3.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
 step profile_v3.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
 step context_bf16_v3.txt 90 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
