@@ -72,6 +72,54 @@ class KernelChoice:
     kv_min: int = 0  # attention only: the shortest KV length of the step (0 for linear ops)
 
 
+# A KernelChoice's fields but `step`, in order: one row of StepKernels
+KERNEL_ROW = ("model", "layer", "op", "rows", "kernel", "m", "n", "k", "splits", "native_class", "expert", "kv_min")
+
+
+def kernel_choice(step: int, row: tuple) -> KernelChoice:
+    """The KernelChoice of a StepKernels row (set through its __dict__, as a frozen dataclass's
+    __init__ would: equal, hashed and printed as one made by it, at a third of the cost)."""
+    ev = object.__new__(KernelChoice)
+    d = ev.__dict__
+    d["step"] = step
+    d.update(zip(KERNEL_ROW, row))
+    return ev
+
+
+class StepKernels(collections.abc.Sequence):
+    """One step's kernel choices as the engine emits them in one on_kernels call: a sequence of
+    KernelChoice events, made when first read, and the same choices as rows for an observer
+    that stores them whole (the trace writer: no event objects made).
+
+    `rows`: one tuple per choice, in emission order, of its fields but step (KERNEL_ROW); the
+    dispatcher shares one tuple among every step whose op has the same fields."""
+
+    __slots__ = ("step", "rows", "_events")
+
+    def __init__(self, step: int, rows: list):
+        self.step, self.rows = step, rows
+        self._events: list[KernelChoice] | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.events()[i]
+
+    def __iter__(self):
+        return iter(self.events())
+
+    def __repr__(self) -> str:
+        return f"StepKernels(step={self.step}, choices={len(self)})"
+
+    def events(self) -> list[KernelChoice]:
+        """The choices as KernelChoice events (made once)."""
+        if self._events is None:
+            step = self.step
+            self._events = [kernel_choice(step, r) for r in self.rows]
+        return self._events
+
+
 @dataclass(frozen=True)
 class AllReduce:
     """One all-reduce of a sharded-to-all op under tensor parallelism (its partial sums
@@ -241,8 +289,8 @@ class Observer:
     def on_kernel(self, choice: KernelChoice) -> None: ...
 
     def on_kernels(self, choices: list[KernelChoice]) -> None:
-        """A step's kernel choices in one call (the engine's, once a step); on_kernel each
-        unless overridden (the trace writer takes the list whole)."""
+        """A step's kernel choices in one call (the engine's, once a step: a StepKernels);
+        on_kernel each unless overridden (the trace writer takes the rows whole)."""
         for c in choices:
             self.on_kernel(c)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..core.events import (
-    DRAFT_MODEL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, AllReduce, KernelChoice, RequestEvent,
-    RunInfo, StepEvent, StepPlan,
+    DRAFT_MODEL, KERNEL_ROW, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, AllReduce, KernelChoice,
+    RequestEvent, RunInfo, StepEvent, StepKernels, StepPlan, kernel_choice,
 )
 from ..core.names import WARM, WARMUP_PREFIX
 from ..core.request import Request
@@ -40,9 +40,10 @@ class Launch:
     sample: smp.DeviceSample
     kv: StepKv | None  # the K/V the step wrote, as hashed (when observers want KV hashes)
     routing: list | None  # MoE layers' router choices (moe.LayerRouting), when asked
-    kernels: list[tuple[str, object]]  # (on_kernel | on_allreduce, event), emitted at collect
+    kernels: StepKernels  # the step's kernel choices as rows (and all-reduces, when `mixed`), emitted at collect
     t0: float
     duration: float = 0.0
+    mixed: bool = False  # event objects among the kernel rows (all-reduces): emitted one by one
 
 
 class Run:
@@ -223,12 +224,13 @@ class Run:
                want_topk: bool = True) -> Launch:
         """Build the step's forward and sampling graph and queue it (mx.async_eval)."""
         t0 = time.perf_counter()
-        kbuf: list[tuple[str, object]] = []
-        self._kernels.buf = kbuf  # events the graph build emits wait for the step's collect
+        sink = self._kernels
+        kbuf = StepKernels(plan.index, [])
+        sink.buf, sink.step, sink.mixed = kbuf.rows, plan.index, False  # the build's events wait for the collect
         try:
             out = state.forward_step(plan, keep_kv=self.want_kv, keep_routing=self.want_routing, tokens=tokens)
         finally:
-            self._kernels.buf = None
+            sink.buf = None
         logits = out.logits
         if state is self.draft and self.e.draft_width < logits.shape[-1]:  # a padded draft head: ids the target lacks
             logits = logits[:, : self.e.draft_width]
@@ -237,7 +239,7 @@ class Run:
         kv = StepKv.of(out.k_written, out.v_written) if self.want_kv else None
         routing = [a for r in out.routing or () for a in r.arrays()]
         mx.async_eval(*ds.arrays(), *(kv.arrays() if kv else ()), *routing, *state.cache.arrays())
-        return Launch(plan, state, ds, kv, out.routing, kbuf, t0)
+        return Launch(plan, state, ds, kv, out.routing, kbuf, t0, mixed=sink.mixed)
 
     def collect(self, launch: Launch, *, emit: bool = True) -> smp.Sampled:
         """Wait for a step's results; emits its kernel choices and KV writes (unless emit=False:
@@ -251,7 +253,8 @@ class Run:
         return sampled
 
     def emit_step_writes(self, launch: Launch) -> None:
-        self._emit_kernels(launch.kernels)
+        if launch.kernels.rows:
+            self._emit_kernels(launch.kernels, launch.mixed)
         if self.want_kv:
             writes = kv_writes(launch.plan, launch.state.name, launch.kv)
             self.e._emit("on_kv_writes", writes)  # (a list a step: ~0.7 us a write less than one call each)
@@ -267,16 +270,17 @@ class Run:
             for r in events:
                 self.e._emit("on_routing", r)
 
-    def _emit_kernels(self, events: list[tuple[str, object]]) -> None:
-        """A step's kernel choices in one on_kernels call; with all-reduces among them, every
-        event on its own, in order."""
-        if not events:
+    def _emit_kernels(self, kernels: StepKernels, mixed: bool) -> None:
+        """A step's kernel choices in one on_kernels call (rows: StepKernels); with all-reduces
+        among them, every event on its own, in order."""
+        if not mixed:
+            self.e._emit("on_kernels", kernels)
             return
-        if any(method != "on_kernel" for method, _ in events):
-            for method, ev in events:
-                self.e._emit(method, ev)
-        else:
-            self.e._emit("on_kernels", [ev for _, ev in events])
+        for ev in kernels.rows:
+            if type(ev) is tuple:
+                self.e._emit("on_kernel", kernel_choice(kernels.step, ev))
+            else:
+                self.e._emit("on_allreduce" if isinstance(ev, AllReduce) else "on_kernel", ev)
 
     def close(self, launch: Launch) -> None:
         """The step is over: on_step (a writer flushes there)."""
@@ -373,17 +377,38 @@ def _same_layout(a: StepPlan, b: StepPlan) -> bool:
 
 
 class _KernelSink:
-    """Where the dispatchers' kernel events go while a step's graph is built: the step's
-    buffer, or nowhere between steps. Its own object, not a method of the Run: the Run holds
-    its model states, whose dispatchers hold this, so a bound method would make every traced
-    Run cyclic garbage, freed (its KV cache with it) only by a full collection, 25-50 ms
-    beside a fixture run."""
+    """Where the dispatchers' kernel events go while a step's graph is built: the step's rows
+    (StepKernels.rows), or nowhere between steps. A kernel choice of the step goes in as a
+    row (its fields but step: `row`, the dispatcher's; a KernelChoice, the experts', turned
+    into one); anything else (an all-reduce, a choice of another step) as the event, and the
+    step is `mixed`. Its own object, not a method of the Run: the Run holds its model states,
+    whose dispatchers hold this, so a bound method would make every traced Run cyclic
+    garbage, freed (its KV cache with it) only by a full collection, 25-50 ms beside a
+    fixture run."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "step", "mixed")
 
     def __init__(self):
-        self.buf: list[tuple[str, object]] | None = None
+        self.buf: list | None = None
+        self.step = -1
+        self.mixed = False
+
+    def row(self, step: int, row: tuple) -> None:
+        buf = self.buf
+        if buf is not None:
+            if step == self.step:
+                buf.append(row)
+            else:
+                buf.append(kernel_choice(step, row))
+                self.mixed = True
 
     def __call__(self, event: KernelChoice | AllReduce) -> None:
-        if self.buf is not None:
-            self.buf.append(("on_allreduce" if isinstance(event, AllReduce) else "on_kernel", event))
+        buf = self.buf
+        if buf is None:
+            return
+        if type(event) is KernelChoice and event.step == self.step:
+            d = event.__dict__
+            buf.append(tuple([d[f] for f in KERNEL_ROW]))
+        else:
+            buf.append(event)
+            self.mixed = True

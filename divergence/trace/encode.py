@@ -13,7 +13,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from ..core.events import StepKvWrites
+from ..core.events import KERNEL_ROW, StepKernels, StepKvWrites
 from . import schema as S
 
 
@@ -78,6 +78,8 @@ class Encoder:
                         self._kv(out, group)
                 elif table == "routing":
                     self._routing(out, group)
+                elif table == "kernels" and type(group[0]) is StepKernels:
+                    self._put(out, table, self._kernel_steps(group))
                 else:
                     self._put(out, table, self._objects(table, group))
         return out
@@ -185,6 +187,31 @@ class Encoder:
             if c.codes is not None and np.ndim(v) == 0:
                 v = self._code(c, [v])[0]
             self._fill(rec, name, c, v if np.ndim(v) else np.broadcast_to(np.asarray(v), (n,)))
+        return rec
+
+    def _kernel_steps(self, steps: list) -> np.ndarray:
+        """The records of steps' kernel choices given as rows (StepKernels): the records
+        _objects makes of their KernelChoice events, a column at a time from the rows."""
+        rows = [r for sk in steps for r in sk.rows]
+        n = len(rows)
+        dt = self.dtypes["kernels"]
+        rec = np.empty(n, dt)
+        if not n:
+            return rec
+        cols = dict(zip(KERNEL_ROW, zip(*rows)))
+        for name, c in S.TABLES["kernels"].columns.items():
+            if name == "step":
+                rec[name] = np.repeat(np.array([sk.step for sk in steps], np.int64), [len(sk.rows) for sk in steps])
+                continue
+            vals = cols.get(name)
+            if vals is None:
+                rec[name] = c.default
+                continue
+            codes = None if c.codes is None else self._table_of(c).__getitem__
+            try:
+                rec[name] = np.fromiter(vals if codes is None else map(codes, vals), dt[name], n)
+            except (TypeError, ValueError, OverflowError):  # values fromiter refuses: numpy's conversion
+                rec[name] = np.array(list(vals if codes is None else map(codes, vals)), dt[name])
         return rec
 
     # -- the tables with running offsets ------------------------------------------------------

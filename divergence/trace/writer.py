@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ..core.events import (
-    AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, StepKvWrites, TokenEvent,
+    AllReduce, KernelChoice, KvWrite, Observer, RequestEvent, Routing, RunInfo, StepEvent, StepKernels, StepKvWrites,
+    TokenEvent,
 )
 from ..errors import TraceError
 from . import layout, reserve
@@ -131,7 +132,11 @@ class TraceWriter(Observer):
         self._batch.add("kernels", c)
 
     def on_kernels(self, cs: list[KernelChoice]) -> None:
-        """A step's kernel choices in one call (the engine's, at collect): on_kernel each."""
+        """A step's kernel choices in one call (the engine's, at collect: a StepKernels, kept
+        whole and encoded from its rows); a list: on_kernel each."""
+        if type(cs) is StepKernels:
+            self._batch.add("kernels", cs)
+            return
         b = self._batch
         lst = b.items.get("kernels")
         if lst is None:

@@ -3,7 +3,10 @@
 A `KernelPolicy` maps a row count (and shape) to a kernel, and a step's number of
 decode slices to an attention kernel. The `KernelDispatcher` applies it to every
 linear op and every layer's attention of a step, honours per-step and per-op forcing
-(replay), and emits a `KernelChoice` event for each decision.
+(replay), and emits a `KernelChoice` event for each decision: to an `emit` with a
+`row(step, fields)` method (the engine's step buffer) as its fields but step, one tuple
+shared by every step whose op has the same fields (core/events.py StepKernels), else
+as a KernelChoice.
 
 Tensor parallelism: the dispatcher is given the rank's group (`parallel`, see
 divergence/parallel/group.py). A LinearOp marked sharded-to-all is then followed by the
@@ -18,7 +21,7 @@ from typing import Callable
 import mlx.core as mx
 
 from . import attention, linear as kernels
-from ...core.events import AllReduce, KernelChoice
+from ...core.events import AllReduce, KernelChoice, kernel_choice
 from ...core.names import ATTENTION, LINEAR_OPS, SHARDED_TO_ALL
 from . import splits as cpu_split
 from .linear import LinearOp
@@ -48,6 +51,8 @@ class KernelDispatcher:
         self.policy = policy
         self.model = model
         self.emit = emit
+        # the emit's columnar entry (its step's rows), when it has one
+        self._row: Callable[[int, tuple], None] | None = getattr(emit, "row", None)
         # Replay forcing: step -> policy for the whole step, {op name: policy} for some ops,
         # or SOLO (each request of the step alone, run's own policy; the engine splits the step).
         self.forced: dict[int, KernelPolicy | dict[str, KernelPolicy] | SoloStep] = {}
@@ -59,14 +64,13 @@ class KernelDispatcher:
         self.attention_classes = attention_classes or AttentionClassProbe()
         self._step_policy: KernelPolicy | dict[str, KernelPolicy] = policy
         self.parallel = parallel  # the TP group (None: one device, nothing to reduce)
-        self._attn_sig = 0  # class signature of this step's attention (when recording)
-        self._attn_fields: dict = {}  # this step's attention event fields but layer (when recording)
+        self._attn_row: tuple = ()  # this step's attention fields but step (layer 0's; when recording)
         self._attn_key: tuple = ()  # (step, id(prep)) they are of
         self._split, self._split_key = None, ()  # this step's attention head split (see _head_split)
         self._plain = self._native = False
         # (id(op), layer, m, kernel, splits, dtype) -> (op, the KernelChoice fields but step):
-        # see _choice
-        self._protos: dict[tuple, tuple[LinearOp, dict]] = {}
+        # see _record
+        self._protos: dict[tuple, tuple[LinearOp, tuple]] = {}
 
     def begin_step(self, step: int) -> None:
         self._step = step
@@ -121,14 +125,17 @@ class KernelDispatcher:
         if self.emit is not None:
             if layer == 0 or self._attn_key != (self._step, id(prep)):  # (the same for every layer of a step)
                 self._attn_key = (self._step, id(prep))
-                self._attn_sig = self._attention_signature(prep, q, cache.kv_heads)
-                T = prep.attended_rows
-                first = KernelChoice(self._step, self.model, layer, ATTENTION, T, prep.kernel, T, len(prep.kv_lens),
-                                     max(prep.kv_lens), 1, self._attn_sig, kv_min=min(prep.kv_lens))
-                self._attn_fields = dict(first.__dict__)
-                self.emit(first)
+                sig = self._attention_signature(prep, q, cache.kv_heads)
+                T, lens = prep.attended_rows, prep.kv_lens
+                row = self._attn_row = (self.model, layer, ATTENTION, T, prep.kernel, T, len(lens), max(lens), 1, sig,
+                                        -1, min(lens))
             else:
-                self.emit(_made(self._attn_fields, step=self._step, layer=layer))
+                r = self._attn_row
+                row = (r[0], layer) + r[2:]
+            if self._row is not None:
+                self._row(self._step, row)
+            else:
+                self.emit(kernel_choice(self._step, row))
         return out
 
     def _head_split(self, prep, q: mx.array, cache):
@@ -163,7 +170,7 @@ class KernelDispatcher:
             return op.native(x)
         if self._native:  # run_kernel's native branch and event, without its per-op policy lookups
             out = kernels.run_native(x, op)
-            self.emit(self._choice(op, layer, x.shape[0], NATIVE, 1, x.dtype))
+            self._record(op, layer, x.shape[0], NATIVE, 1, x.dtype)
             return out
         if op.name in self._unsharded and op.shard is not None and self.parallel is not None:
             return self.parallel.run_unsharded(self, x, op, layer)  # the full op, through run_kernel
@@ -189,21 +196,23 @@ class KernelDispatcher:
             if self.emit is not None:
                 self.emit(reduced)
         if self.emit is not None:
-            self.emit(self._choice(op, layer, m, kernel, splits, x.dtype))
+            self._record(op, layer, m, kernel, splits, x.dtype)
         return out
 
-    def _choice(self, op: LinearOp, layer: int, m: int, kernel: str, splits: int, dtype) -> KernelChoice:
-        """This step's KernelChoice of an op, its other fields (and the native class signature)
-        memoized: KernelChoice is a frozen dataclass, whose __init__ sets its 13 fields one
-        object.__setattr__ at a time (~2 us; 33 events a fixture step, ~170 on a 24-layer model)."""
+    def _record(self, op: LinearOp, layer: int, m: int, kernel: str, splits: int, dtype) -> None:
+        """This step's kernel choice of an op, emitted: its fields but step (and the native class
+        signature) memoized as one tuple, which a columnar emit (`row`) takes as it is (~0.5 us
+        an op; a KernelChoice, a frozen dataclass, cost ~1.5 us made from them, 33 a fixture
+        step, ~170 on a 24-layer model)."""
         key = (id(op), layer, m, kernel, splits, dtype)
         got = self._protos.get(key)
         if got is None or got[0] is not op:  # (an id is only reused once its op is gone)
             sig = self.classes.signature(op, m, dtype) if kernel == NATIVE else 0
-            ev = KernelChoice(self._step, self.model, layer, op.name, m, kernel, m, op.n, op.k, splits, sig)
-            self._protos[key] = (op, dict(ev.__dict__))
-            return ev
-        return _made(got[1], step=self._step)
+            got = self._protos[key] = (op, (self.model, layer, op.name, m, kernel, m, op.n, op.k, splits, sig, -1, 0))
+        if self._row is not None:
+            self._row(self._step, got[1])
+        else:
+            self.emit(kernel_choice(self._step, got[1]))
 
 
 def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split) -> mx.array:
@@ -222,13 +231,3 @@ def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split) -> mx.a
         with mx.stream(split.streams[i - 1]) if i else nullcontext():
             outs.append(attention.attend(prep, layer, q[:, h0 * per_q : h1 * per_q], view, scale))
     return mx.concatenate(outs, axis=-1)
-
-
-def _made(fields: dict, **changes) -> KernelChoice:
-    """A KernelChoice of these fields (a frozen dataclass: set through its __dict__, as equal,
-    hashed and printed as one made by its __init__)."""
-    ev = object.__new__(KernelChoice)
-    d = ev.__dict__
-    d.update(fields)
-    d.update(changes)
-    return ev
