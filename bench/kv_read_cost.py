@@ -14,7 +14,8 @@ step):
   (consecutive tables only);
 * `contiguous`: SDPA over a [B, kv, L, hd] array that needs no read (BatchGenerator's
   buffer): the floor, and the second half of `block gather`;
-* `gather only`: the first half of `block gather`.
+* `gather only`: the first half of `block gather` (kv_reads.as_words: 8-byte words);
+* `element gather`: the same gather indexing bf16 elements (the read before as_words);
 
     python bench/kv_read_cost.py [--reps 20] [--out bench/results/cuda/kv_read_cost.json]
 """
@@ -64,6 +65,15 @@ def point(B: int, L: int, shuffled: bool, reps: int) -> dict:
     def gather_only():
         return [x for kv in gathered() for x in kv]
 
+    def element_gather():  # the read before kv_reads.as_words: the gather indexes bf16 elements
+        idx = cache._head_base + tables[:, None, :]
+        out = []
+        for li in range(LAYERS):
+            for pool in (cache.k[li], cache.v[li]):
+                g = pool.reshape(KV * cache.num_blocks, BS, HD)[idx]
+                out.append(g.reshape(B, KV, -1, HD)[:, :, :L])
+        return out
+
     def contiguous():
         return [sdpa(q, k, v, scale=0.125) for k, v in dense]
 
@@ -78,6 +88,7 @@ def point(B: int, L: int, shuffled: bool, reps: int) -> dict:
 
     row = dict(B=B, L=L, blocks="shuffled" if shuffled else "consecutive",
                ms={"block gather": timed(block_gather, reps), "gather only": timed(gather_only, reps),
+                   "element gather": timed(element_gather, reps),
                    "contiguous": timed(contiguous, reps)})
     if not shuffled:
         row["ms"]["slices"] = timed(slices, reps)

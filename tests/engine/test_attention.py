@@ -361,3 +361,25 @@ def test_mlxlm_reads_keep_the_values(length, consecutive, block_size):
         k0, v0 = cache.gather(layer, g.table, length)
         assert k.shape == k0.shape == (1, 2, length, 16) and k.dtype == mx.bfloat16
         assert mx.array_equal(k, k0).item() and mx.array_equal(v, v0).item()
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 6, 5])  # rows of 8-byte words, of 4-byte words, of neither
+def test_block_gather_moves_words_with_the_same_bits(dtype, head_dim):
+    """gather_batch reads the pool as 8- or 4-byte words where a row allows (kv_reads.as_words):
+    the same bits as indexing the pool's own elements, -0.0 and NaN payloads included."""
+    from divergence.engine.kernels.kv_reads import as_words
+    from divergence.engine.model.kv_cache import PagedKVCache
+
+    cache = PagedKVCache(1, 12, 4, 2, head_dim, dtype)
+    cache.k[0] = mx.random.normal(cache.k[0].shape).astype(dtype)
+    cache.v[0] = mx.where(mx.random.uniform(shape=cache.v[0].shape) < 0.1, mx.array(float("nan"), dtype),
+                          -mx.zeros(cache.v[0].shape, dtype))
+    tables = mx.array([[3, 7, 1], [0, 12, 5]], dtype=mx.int32)
+    k, v = cache.gather_batch(0, tables, 10)
+    for got, pool in ((k, cache.k[0]), (v, cache.v[0])):
+        want = pool[0].reshape(2, 13, 4, head_dim)[:, tables].transpose(1, 0, 2, 3, 4).reshape(2, 2, 12, head_dim)[:, :, :10]
+        assert got.shape == want.shape and got.dtype == dtype
+        assert np.array_equal(np.array(got.view(mx.uint8)), np.array(want.view(mx.uint8)))
+    words = as_words(cache.k[0])
+    assert words.dtype.size == (8 if head_dim * dtype.size % 8 == 0 else 4 if head_dim * dtype.size % 4 == 0 else dtype.size)

@@ -31,5 +31,12 @@ step pytest_cuda_v3.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/t
 step profile_v3.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
 step context_bf16_v3.txt 90 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
 step context_4bit_v3.txt 130 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
+# round 4b, the block gather moves 8-byte words (kv_reads.as_words):
+#   ONLY="env.txt kv_read_cost_v4.txt pytest_cuda_v4.txt profile_v4.txt context_bf16_v4.txt context_4bit_v4.txt"
+step kv_read_cost_v4.txt 40 python3 bench/kv_read_cost.py --reps 20 --out $R/kv_read_cost.json
+step pytest_cuda_v4.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
+step profile_v4.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
+step context_bf16_v4.txt 90 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
+step context_4bit_v4.txt 130 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
