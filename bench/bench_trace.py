@@ -23,7 +23,8 @@ Engine.run to the writer closed, as wall time, as CPU time of
 the whole process (steadier on a shared machine) and as CPU time of the engine's thread. Bytes per token =
 file size / generated tokens. A second table times the writer alone on the engine
 thread: a 0.5B-shaped step's events (24 layers, B=8) fed to each writer as the engine
-hands them (a step's kernel choices and KV writes one call each), microseconds per step
+hands them (a step's kernel choices and KV writes one call each, as StepKernels and
+StepKvWrites), microseconds per step
 spent in its on_* calls (v2 encodes every 8 steps there, so its mean is above its
 median; its writes are the flush thread's, excluded; v1 encodes and flushes on the
 caller's thread), and the file's bytes as a fixed part plus bytes per token. Writes bench/results/trace.json.
@@ -47,7 +48,7 @@ import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
 import numpy as np
 
 from divergence.core.events import (
-    KernelChoice, Observer, RunInfo, SeqSlice, StepEvent, StepKvWrites, StepPlan, TokenEvent,
+    Observer, RunInfo, SeqSlice, StepEvent, StepKernels, StepKvWrites, StepPlan, TokenEvent,
 )
 from divergence.core.request import Request
 from divergence.engine.engine import Engine
@@ -189,14 +190,16 @@ def measure(name: str, path, dtype: str, args, writers: dict) -> dict:
 # -- the writer alone, on the engine thread ------------------------------------------------------
 def synthetic_steps(n_steps: int, layers: int = 24, k: int = 8):
     """Events of a 0.5B-shaped decode step at B=8 (per step: 7 linear ops x 24 layers + lm_head,
-    a KV write per request and layer, as the engine's one StepKvWrites, 8 tokens)."""
+    as the engine's one StepKernels of rows shared by the steps; a KV write per request and
+    layer, as its one StepKvWrites; 8 tokens)."""
     rng = np.random.default_rng(0)
     ops = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     reqs = [Request(f"r{i}", (1, 2, 3), max_tokens=n_steps + 1) for i in range(B)]
+    rows = {(L, op): ("target", L, op, B, "native", B, 896, 896, 1, 0, -1, 0) for L in range(layers) for op in ops}
+    rows["head"] = ("target", layers, "lm_head", B, "native", B, 151936, 896, 1, 0, -1, 0)
     steps = []
     for s in range(n_steps):
-        kern = [KernelChoice(s, "target", L, op, B, "native", B, 896, 896) for L in range(layers) for op in ops]
-        kern.append(KernelChoice(s, "target", layers, "lm_head", B, "native", B, 151936, 896))
+        kern = StepKernels(s, [rows[L, op] for L in range(layers) for op in ops] + [rows["head"]])
         h = rng.integers(0, 2**63, (2, B * layers), dtype=np.uint64)  # K and V differ, as real hashes do
         ids = rng.integers(0, 151936, (B, k)).astype(np.int32)
         vals = rng.normal(10, 1, (B, k)).astype(np.float32)
