@@ -86,7 +86,23 @@ def kernel_choice(step: int, row: tuple) -> KernelChoice:
     return ev
 
 
-class StepKernels(collections.abc.Sequence):
+class _LazyEvents(collections.abc.Sequence):
+    """A step's events kept as columns or rows, read as a sequence of event objects that
+    `events()` makes once (the subclasses say how, and how many)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, i):
+        return self.events()[i]
+
+    def __iter__(self):
+        return iter(self.events())
+
+    def events(self) -> list:
+        raise NotImplementedError
+
+
+class StepKernels(_LazyEvents):
     """One step's kernel choices as the engine emits them in one on_kernels call: a sequence of
     KernelChoice events, made when first read, and the same choices as rows for an observer
     that stores them whole (the trace writer: no event objects made).
@@ -102,12 +118,6 @@ class StepKernels(collections.abc.Sequence):
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.events()[i]
-
-    def __iter__(self):
-        return iter(self.events())
 
     def __repr__(self) -> str:
         return f"StepKernels(step={self.step}, choices={len(self)})"
@@ -149,7 +159,7 @@ class KvWrite:
     v_hashes: np.ndarray  # uint64 [count]
 
 
-class StepKvWrites(collections.abc.Sequence):
+class StepKvWrites(_LazyEvents):
     """One step's KV writes (one per slice and layer, slice by slice, layers in order) as the
     engine emits them in one on_kv_writes call: a sequence of KvWrite events, made when first
     read, and the same writes as columns for an observer that stores them whole (the trace
@@ -166,12 +176,6 @@ class StepKvWrites(collections.abc.Sequence):
 
     def __len__(self) -> int:
         return len(self.slices) * self.layers
-
-    def __getitem__(self, i):
-        return self.events()[i]
-
-    def __iter__(self):
-        return iter(self.events())
 
     def __repr__(self) -> str:
         return f"StepKvWrites(step={self.step}, model={self.model!r}, writes={len(self)})"
