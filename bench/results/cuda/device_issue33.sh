@@ -45,5 +45,7 @@ step kept_batch.txt 150 python3 bench/kept_batch.py --models qwen0.5b --dtypes s
 step profile_v5.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
 step context_bf16_v5.txt 90 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
 step context_4bit_v5.txt 130 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
+# kept vs gathered bits, and whether either repeats: ONLY="env.txt kept_bits.txt"
+step kept_bits.txt 120 python3 bench/kept_batch.py --models qwen0.5b --dtypes stored --op-check --reps 3 --points 8:1024,8:4096,32:512,64:512 --model-cache $MC --out $R/kept_batch.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
