@@ -47,5 +47,8 @@ step context_bf16_v5.txt 90 python3 bench/bench_context.py --models qwen0.5b --d
 step context_4bit_v5.txt 130 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
 # kept vs gathered bits, and whether either repeats: ONLY="env.txt kept_bits.txt"
 step kept_bits.txt 120 python3 bench/kept_batch.py --models qwen0.5b --dtypes stored --op-check --reps 3 --points 8:1024,8:4096,32:512,64:512 --model-cache $MC --out $R/kept_batch.json
+# where two runs of the same batch part: ONLY="env.txt repeat.txt repeat_nocudnn.txt"
+step repeat.txt 60 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,32:512,64:512 --model-cache $MC --out $R/repeat_check.json
+step repeat_nocudnn.txt 60 env MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,32:512,64:512 --model-cache $MC --out $R/repeat_check_nocudnn.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
