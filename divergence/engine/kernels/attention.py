@@ -115,22 +115,7 @@ def _batched(g: BatchedAttention, layer: int, q: mx.array, cache: PagedKVCache, 
     if g.left_slots is not None:
         k, v = cache.gather_positions(layer, g.left_slots, B, g.length)
     else:
-        k, v = _batch_reads(g, layer, cache)
+        k, v = cache.gather_batch(layer, g.tables, g.length)
     o = run_batched(qs, k, v, g.mask, scale)  # [B, H, Q, hd]
     o = o.reshape(B, H * hd) if Q == 1 else o.transpose(0, 2, 1, 3).reshape(B * Q, H * hd)
     return o if g.out_index is None else o[g.out_index]
-
-
-def _batch_reads(g: BatchedAttention, layer: int, cache: PagedKVCache) -> tuple[mx.array, mx.array]:
-    """A batched group's K/V [B, kv_heads, L, hd]: kept from the last step where the cache
-    keeps them (kernels/kv_batch.py: the same arrays a gather gives, so the same bits),
-    gathered block by block otherwise."""
-    kept = getattr(cache, "decode_batch", None) if g.host_tables is not None else None
-    if kept is None or kept.tables is None:  # (not kept: kv_batch.keeping(), or a head slice's reads)
-        return cache.gather_batch(layer, g.tables, g.length)
-    kv = kept.read(layer, g.length)
-    if kv is None:
-        k, v = cache.gather_blocks(layer, g.tables)
-        kept.keep(layer, k, v)
-        kv = (k, v) if k.shape[2] == g.length else (k[:, :, : g.length], v[:, :, : g.length])
-    return kv

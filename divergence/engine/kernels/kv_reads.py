@@ -62,12 +62,6 @@ class KvReads:
         """Several sequences at once, [B, kv_heads, length, head_dim]: `tables` [B, nb] of
         block ids (rows padded with any valid block), positions past a sequence's own
         length are someone else's or stale, and must be masked by the caller."""
-        k, v = self.gather_blocks(layer, tables)
-        return (k, v) if k.shape[2] == length else (k[:, :, :length], v[:, :, :length])
-
-    def gather_blocks(self, layer: int, tables: mx.array) -> tuple[mx.array, mx.array]:
-        """gather_batch's whole blocks, [B, kv_heads, nb * block_size, head_dim] (what its
-        reads are views of: kv_batch keeps them)."""
         if self._flat[0] is not tables:
             self._flat = (tables, self._head_base + tables[:, None, :])  # [B, kv, nb]
         idx = self._flat[1]
@@ -76,7 +70,8 @@ class KvReads:
         for pool in self._pools(layer):
             blocks = pool.reshape(kv * self.num_blocks, self.block_size, hd)
             g = as_words(blocks)[idx]  # [B, kv, nb, bs, hd'] in words
-            out.append(g.view(pool.dtype).reshape(g.shape[0], kv, -1, hd))
+            g = g.view(pool.dtype).reshape(g.shape[0], kv, -1, hd)
+            out.append(g if g.shape[2] == length else g[:, :, :length])
         return out[0], out[1]
 
     def gather_positions(self, layer: int, slots: mx.array, batch: int, length: int) -> tuple[mx.array, mx.array]:

@@ -131,7 +131,6 @@ class PackedForward:
                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:
         """Build the step's graph (lazy): logits of the logit rows, K/V written in place."""
         dispatch.begin_step(prep.plan.index)
-        cache.begin_step(prep)
         T, H, KV, hd = prep.rows, self.n_heads, self.n_kv_heads, self.head_dim
         real = prep.real_rows  # padded rows (`padded`): taps, K/V and routing records see the plan's rows only
         if real is not None and tap is not None:

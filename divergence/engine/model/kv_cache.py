@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..kernels import kv_batch
 from ..kernels.kv_reads import KvReads
 
 
@@ -38,15 +37,7 @@ class PagedKVCache(KvReads):
         self._flat: tuple = (None, None)  # (tables, their flat index): made once per step, used by every layer
         self._heads: dict[int, tuple] = {}  # rows written -> ([kv_heads, rows] zeros, head index) of a scatter
         self._scatter: tuple = (None, None)  # (slots, their scatter index): made once per step
-        self.decode_batch = kv_batch.DecodeBatchKv(num_layers, block_size)  # (kept on the GPU: kv_batch.py)
         mx.eval(self.k, self.v, self._head_ids, self._head_base)
-
-    def begin_step(self, prep) -> None:
-        """A step's forward starts: its batched decode group's K/V may be kept from the last
-        step's (kv_batch.py), or must be read anew."""
-        g = prep.groups[0] if len(prep.groups) == 1 else None
-        tables = getattr(g, "host_tables", None) if kv_batch.keeping() else None
-        self.decode_batch.begin(tables, prep.kv_lens)
 
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array, *, start: int | None = None) -> None:
         """k, v: [n, kv_heads, head_dim], or [n, kv_heads, 1, head_dim] (the forward's RoPE
@@ -58,13 +49,12 @@ class PagedKVCache(KvReads):
             n = k.shape[0]
             self.k[layer][:, :, start : start + n] = _as_pool_rows(k)
             self.v[layer][:, :, start : start + n] = _as_pool_rows(v)
-        else:
-            index = self._write_index(slots)
-            # [kv_heads, n, head_dim] rows to [kv_heads, n] indices: a scatter with no added op
-            # (a [1, kv_heads, n] index would broadcast and squeeze the rows first)
-            self.k[layer][index] = _as_head_rows(k)
-            self.v[layer][index] = _as_head_rows(v)
-        self.decode_batch.write(layer, k, v)
+            return
+        index = self._write_index(slots)
+        # [kv_heads, n, head_dim] rows to [kv_heads, n] indices: a scatter with no added op
+        # (a [1, kv_heads, n] index would broadcast and squeeze the rows first)
+        self.k[layer][index] = _as_head_rows(k)
+        self.v[layer][index] = _as_head_rows(v)
 
     def _write_index(self, slots: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """[kv_heads, n] index arrays (batch 0, head, slot) of a scatter to `slots`, made once
@@ -89,7 +79,7 @@ class PagedKVCache(KvReads):
         return self.k[layer], self.v[layer]
 
     def arrays(self) -> list[mx.array]:
-        return self.k + self.v + self.decode_batch.arrays()
+        return self.k + self.v
 
 
 def _as_pool_rows(x: mx.array) -> mx.array:

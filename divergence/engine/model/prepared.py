@@ -86,9 +86,6 @@ class BatchedAttention:
     # pads from the spare block), as BatchGenerator's cache holds them after its prefill;
     # None: read by block (`tables`), right-padded
     left_slots: mx.array | None = None
-    # one-row slices (not `padded`): per slice the block ids of its rows, on the host (the
-    # cache may keep its K/V from the last such step: kernels/kv_batch.py); None otherwise
-    host_tables: tuple | None = None
 
     @property
     def layout(self) -> str:
@@ -155,7 +152,7 @@ def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepar
         mask = None
         if min(kv_lens) != L:  # each row sees its own positions only
             mask = mx.array((np.arange(L)[None, :] < np.asarray(kv_lens)[:, None])[:, None, None, :])
-        groups = [BatchedAttention(tuple(range(B)), 1, L, tab, mask, None, 0, None, host_tables=tuple(tabs))]
+        groups = [BatchedAttention(tuple(range(B)), 1, L, tab, mask, None, 0, None)]
     else:
         groups = []
         for i, t in enumerate(tabs):
@@ -295,5 +292,4 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
         q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
         out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
         left_slots=None if left is None else mx.array(left.reshape(-1)),
-        host_tables=tuple(tables[i].tolist() for i in idx) if Q == 1 and not (keep_mask or pad_rows) else None,
     )
