@@ -193,3 +193,23 @@ def test_b1_native_long_contexts_are_generate_step(tmp_path_factory, bits):
         return [(stream * (n // len(stream) + 1))[:n] for n in B1_LONG]
     problems = _b1_problems(tmp_path_factory, bits, long_prompts)
     assert not problems, problems
+
+
+def test_batched_decode_is_repeatable(tmp_path):
+    """The same batch run again in one process gives the same bits: on the H200 the first
+    decode step of 8 prompts of 1,024 tokens ran cuDNN in one run and MLX's vector kernel
+    in the next (the choice follows the allocator's buffer sizes) until the batched reads
+    stopped spanning a multiple of 256 rows (prepared.batched_blocks). repeat_check reports
+    the first KV write where two runs part (None: none)."""
+    out = tmp_path / "repeat.json"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run([sys.executable, "bench/repeat_check.py", "--models", "qwen0.5b", "--dtypes", "bfloat16",
+                           "--points", "8:1024,64:512", "--runs", "3", "--tokens", "6", "--model-cache",
+                           str(tmp_path / "models"), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(out.read_text())["results"]
+    assert len(results) == 2
+    for r in results:
+        assert r["differences"] == [None, None], (r["batch"], r["context"], r["differences"])

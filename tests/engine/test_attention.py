@@ -15,18 +15,18 @@ from divergence.engine.kernels.dispatch import KernelDispatcher
 from divergence.engine.engine import Engine
 from divergence.engine.model.kv_cache import PagedKVCache
 from divergence.engine.sched.blocks import BlockManager
-from divergence.engine.model.prepared import prepare_step
+from divergence.engine.model.prepared import CUDNN_ROWS, batched_blocks, prepare_step
 
 H, KV, HD, BS = 4, 2, 32, 16
 ON_CPU = mx.default_device() == mx.cpu
 
 
-def _step(slices_spec, dtype, seed=0):
+def _step(slices_spec, dtype, seed=0, num_blocks=64):
     """A cache holding random K/V for each sequence, a plan of the given slices
     (phase, start, count), and random queries for the step's rows."""
     rng = np.random.default_rng(seed)
-    blocks = BlockManager(64, BS)
-    cache = PagedKVCache(1, 64, BS, KV, HD, dtype)
+    blocks = BlockManager(num_blocks, BS)
+    cache = PagedKVCache(1, num_blocks, BS, KV, HD, dtype)
     slices, row = [], 0
     ks, vs = {}, {}
     for i, (phase, start, count) in enumerate(slices_spec):
@@ -100,6 +100,56 @@ def test_both_kernels_match_a_float64_reference(dtype, spec):
         assert got.shape == ref.shape
         err = np.abs(got - ref).max()
         assert err <= tol * max(1.0, np.abs(ref).max()), (kernel, err)
+
+
+# lengths whose blocks fill a multiple of 256 rows, and their neighbours
+AT_256 = [(DECODE, 255, 1), (DECODE, 250, 1), (DECODE, 511, 1), (DECODE, 300, 1)]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("spec", [AT_256, [(DECODE, 255, 1)] * 3, AT_256[:2] + [(VERIFY, 508, 4), (PREFILL, 0, 9)]],
+                         ids=["decode", "equal", "mixed"])
+def test_batched_reads_never_span_a_multiple_of_256_rows(dtype, spec):
+    """MLX CUDA picks cuDNN for a one-row SDPA over such a buffer only when the allocator's
+    buffer is exactly its size, a choice that follows the allocation history (the same step
+    gave other bits run after run on the H200): the batched calls' K/V never have such rows,
+    and still give the float64 reference's values."""
+    plan, blocks, cache, q = _step(spec, dtype, num_blocks=160)
+    prep, out = _run("batched", plan, blocks, cache, q)
+    g = prep.groups[0]
+    assert g.batched and (g.tables.shape[1] * BS) % CUDNN_ROWS != 0
+    assert g.tables.shape[1] * BS >= g.length
+    ref = _reference(plan, blocks, cache, q)
+    got = np.asarray(out.astype(mx.float32), np.float64)
+    tol = 1e-5 if dtype == mx.float32 else 3e-2
+    assert np.abs(got - ref).max() <= tol * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 24, 100])
+def test_batched_blocks(block_size):
+    for L in range(1, 1100):
+        nb = batched_blocks(L, block_size)
+        assert nb * block_size >= L and (nb * block_size) % CUDNN_ROWS != 0
+        assert nb - -(-L // block_size) in (0, 1)  # at most one block more than the length needs
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the CPU's SDPA: on MLX CUDA the rows choose the kernel (test_cuda.py)")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_cpu_batched_sdpa_reads_any_rows_alike(dtype):
+    """What lets the batched layout take a block more on the CPU with no change to a trace:
+    the same K/V in a 256-row and in a 272-row buffer give the same bits."""
+    rng = np.random.default_rng(3)
+    B, L = 3, 256
+    k, v = (mx.array(rng.standard_normal((B, KV, 272, HD)).astype(np.float32)).astype(dtype) for _ in "kv")
+    q = mx.array(rng.standard_normal((B, H, 1, HD)).astype(np.float32)).astype(dtype)
+    for n in (250, 256):
+        mask = mx.array(np.arange(n)[None, None, None, :] < np.array([n, n - 7, n - 100])[:, None, None, None])
+        for m in (None, mask):
+            a = attention.run_batched(q, k[:, :, :256][:, :, :n], v[:, :, :256][:, :, :n], m, HD ** -0.5)
+            b = attention.run_batched(q, k[:, :, :n], v[:, :, :n], m, HD ** -0.5)
+            a256 = attention.run_batched(q, mx.contiguous(k[:, :, :256])[:, :, :n], mx.contiguous(v[:, :, :256])[:, :, :n],
+                                         m, HD ** -0.5)
+            assert np.array_equal(_bits(a), _bits(b)) and np.array_equal(_bits(a256), _bits(b)), (n, m is None)
 
 
 @pytest.mark.blas

@@ -46,5 +46,11 @@ step context_bf16_v5.txt 90 python3 bench/bench_context.py --models qwen0.5b --d
 # where two runs of the same batch part: ONLY="env.txt repeat.txt repeat_nocudnn.txt"
 step repeat.txt 60 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,32:512,64:512 --model-cache $MC --out $R/repeat_check.json
 step repeat_nocudnn.txt 60 env MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,32:512,64:512 --model-cache $MC --out $R/repeat_check_nocudnn.json
+# batched reads never span a multiple of 256 rows (prepared.batched_blocks): the new CUDA test
+# before the change (patch -R) and after, then the repeat check and the CUDA tests:
+#   ONLY="env.txt repeat_before.txt repeat_after.txt pytest_cuda_v6.txt"
+step repeat_before.txt 60 bash -c "patch -s -R -p1 < bench/results/cuda/batched_blocks.patch && python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k repeatable; patch -s -p1 < bench/results/cuda/batched_blocks.patch"
+step repeat_after.txt 60 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,8:4096,32:512,64:512 --model-cache $MC --out $R/repeat_check.json
+step pytest_cuda_v6.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT

@@ -31,6 +31,24 @@ from ..sched.blocks import BlockManager
 BATCH_MAX_QUERY = 16  # longest non-prefill slice that joins the batched call (a verify is spec_k + 1)
 
 
+# MLX CUDA runs a one-row, unmasked SDPA over >= 256 keys through cuDNN only when the K/V
+# buffer's rows are a multiple of this, and then only when the allocator's buffer is exactly
+# that size, which follows the process's allocation history: the same step ran cuDNN in one
+# run and MLX's vector kernel in the next, other bits each time (bench/repeat_check.py, and
+# bench/sdpa_kernel_choice.py's "a page larger" line)
+CUDNN_ROWS = 256
+
+
+def batched_blocks(length: int, block_size: int) -> int:
+    """Blocks a batched call's K/V are gathered into: enough for `length` positions, and one
+    more where their rows would be a multiple of CUDNN_ROWS, so that every such call runs
+    the vector kernel and a step's bits are a function of its inputs, run after run. (mlx-lm
+    has no batched-call bits to keep; a one-sequence call reads mlx-lm's own layout:
+    kernels/attention.mlxlm_reads.) The CPU's SDPA reads any number of rows alike."""
+    nb = -(-length // block_size)
+    return nb + 1 if (nb * block_size) % CUDNN_ROWS == 0 else nb
+
+
 def batchable(s) -> bool:
     """Does this slice join the step's batched attention call?"""
     return s.phase != PREFILL and s.count <= BATCH_MAX_QUERY
@@ -147,7 +165,7 @@ def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> Prepar
     kv_lens = tuple(p + 1 for p in starts)
     if kernel == BATCHED:
         L = max(kv_lens)
-        nb = -(-L // bs)
+        nb = batched_blocks(L, bs)
         tab = mx.array([t + [t[0]] * (nb - len(t)) for t in tabs], dtype=mx.int32)
         mask = None
         if min(kv_lens) != L:  # each row sees its own positions only
@@ -256,7 +274,7 @@ def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, 
     B = len(sl)
     Q = max(s.count for s in sl)
     L = max(s.start + s.count for s in sl)
-    nb = -(-L // bs)
+    nb = -(-L // bs) if keep_mask else batched_blocks(L, bs)  # (`padded`: BatchGenerator's calls, as they are)
     tab = np.empty((B, nb), dtype=np.int32)
     mask = np.zeros((B, 1, Q, L), dtype=bool)
     q_index = np.empty((B, Q), dtype=np.int32)
