@@ -42,10 +42,15 @@ pytestmark = [
 ]
 
 
-def _cli(*args: str, ok=(0,)) -> dict:
+def _env() -> dict:
+    """A child process's environment: offline, unbuffered, this checkout first on its path."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, "-m", "divergence", *args, "--json"], cwd=ROOT, env=env,
+    return env
+
+
+def _cli(*args: str, ok=(0,)) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "divergence", *args, "--json"], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode in ok, f"divergence {args[0]} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)
@@ -202,12 +207,10 @@ def test_batched_decode_is_repeatable(tmp_path):
     stopped spanning a multiple of 256 rows (prepared.batched_blocks). repeat_check reports
     the first KV write where two runs part (None: none)."""
     out = tmp_path / "repeat.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
     proc = subprocess.run([sys.executable, "bench/repeat_check.py", "--models", "qwen0.5b", "--dtypes", "bfloat16",
                            "--points", "8:1024,64:512", "--runs", "3", "--tokens", "6", "--model-cache",
                            str(tmp_path / "models"), "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(out.read_text())["results"]
     assert len(results) == 2
