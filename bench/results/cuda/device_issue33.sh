@@ -52,5 +52,9 @@ step repeat_nocudnn.txt 60 env MLX_CUDA_USE_CUDNN_SDPA=0 python3 bench/repeat_ch
 step repeat_before.txt 60 bash -c "patch -s -R -p1 < bench/results/cuda/batched_blocks.patch && python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k repeatable; patch -s -p1 < bench/results/cuda/batched_blocks.patch"
 step repeat_after.txt 60 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --points 8:1024,8:4096,32:512,64:512 --model-cache $MC --out $R/repeat_check.json
 step pytest_cuda_v6.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
+# round 6, the decode step's graph by primitive, engine vs mlx-lm (bench/graph_nodes.py):
+#   ONLY="env.txt graph_nodes.txt profile_v7.txt"
+step graph_nodes.txt 120 python3 bench/graph_nodes.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --batches 1,8,32 --model-cache $MC --out $R/graph_nodes.json
+step profile_v7.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
