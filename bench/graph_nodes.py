@@ -26,7 +26,7 @@ from common import mx
 
 from mlx_lm.generate import BatchGenerator
 
-from divergence.core.events import Observer
+from divergence.core.events import PREFILL, Observer
 from divergence.core.request import Request
 from divergence.engine import run as engine_run
 from divergence.engine.engine import Engine
@@ -47,23 +47,29 @@ def count(arrays) -> collections.Counter:
 
 
 def engine_graph(loaded, prompts, tokens: int, at: int, traced: bool) -> collections.Counter:
-    """Nodes of the engine's decode step `at` (0: the first launch of the run)."""
-    seen, got = [0], {}
-    real = engine_run.mx.async_eval
+    """Nodes of the engine's decode step `at` (0: the run's first step whose slices all
+    decode one row; the prefill of B prompts may take several steps under the token budget)."""
+    seen, got, decoding = [0], {}, [False]
+    real_eval, real_launch = engine_run.mx.async_eval, engine_run.Run.launch
+
+    def launch(self, state, plan, **kw):
+        decoding[0] = bool(plan.slices) and all(s.phase != PREFILL and s.count == 1 for s in plan.slices)
+        return real_launch(self, state, plan, **kw)
 
     def spy(*arrays):
-        if seen[0] == at:
-            got["c"] = count(arrays)
-        seen[0] += 1
-        return real(*arrays)
+        if decoding[0]:
+            if seen[0] == at:
+                got["c"] = count(arrays)
+            seen[0] += 1
+        return real_eval(*arrays)
 
     eng = Engine(loaded, None, policy="native", stop_at_eos=False, top_k=8, prefill="mlx-lm")
     eng.observers = [KvOnly()] if traced else []
-    engine_run.mx.async_eval = spy
+    engine_run.mx.async_eval, engine_run.Run.launch = spy, launch
     try:
         eng.run([Request(f"r{i}", tuple(p), max_tokens=tokens) for i, p in enumerate(prompts)], "concurrent")
     finally:
-        engine_run.mx.async_eval = real
+        engine_run.mx.async_eval, engine_run.Run.launch = real_eval, real_launch
     return got["c"]
 
 
@@ -116,8 +122,8 @@ def main() -> None:
             for b in map(int, args.batches.split(",")):
                 prompts = C.prompts(loaded.encode, b, args.prompt)
                 sides = {
-                    "engine": engine_graph(loaded, prompts, args.tokens, args.at + 1, traced=False),
-                    "engine traced": engine_graph(loaded, prompts, args.tokens, args.at + 1, traced=True),
+                    "engine": engine_graph(loaded, prompts, args.tokens, args.at, traced=False),
+                    "engine traced": engine_graph(loaded, prompts, args.tokens, args.at, traced=True),
                     "mlx-lm": mlx_graph(loaded, prompts, args.tokens, args.at),
                 }
                 for side, c in sides.items():

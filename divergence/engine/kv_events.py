@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core.events import TARGET, KvWrite, StepKvWrites, StepPlan
-from ..core.hashing import hash_rows
+from ..core.hashing import hash_at, row_slices
 
 
 @dataclass
@@ -47,23 +47,50 @@ class StepKv:
     def hashes_in(self, order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """uint64 [len(order)]: the hashes of rows `order` of K and of V (row l * T + t:
         layer l, position t), in that order (None: every row in turn)."""
-        return hash_rows(_row_bytes(self.k), order), hash_rows(_row_bytes(self.v), order)
+        (kb, width), (vb, _) = _row_buffer(self.k), _row_buffer(self.v)
+        slices = row_slices(np.arange(self.layers * self.rows) if order is None else order, width)
+        return hash_at(kb, slices), hash_at(vb, slices)
+
+    def hashes_at(self, slices: list[slice]) -> tuple[np.ndarray, np.ndarray]:
+        """The hashes of the K and V rows at `slices` (row_slices of their row width)."""
+        return hash_at(_row_buffer(self.k)[0], slices), hash_at(_row_buffer(self.v)[0], slices)
+
+    @property
+    def row_width(self) -> int:
+        """Bytes of one [l, t] row: all kv heads of one position of one layer."""
+        return self.k.dtype.size * int(np.prod(self.k.shape[2:])) if self.k.ndim > 1 else 0
 
 
-def _row_bytes(a: mx.array) -> np.ndarray:
-    """uint8 [layers * T, row bytes]: each [l, t] row's stored bytes, read through the array's
-    buffer where it is C-contiguous (no copy), else a numpy copy of its uint view."""
+def _row_buffer(a: mx.array) -> tuple[memoryview, int]:
+    """(a flat byte view of the [layers, T, ...] rows, one row's bytes): the array's own buffer
+    where it is C-contiguous (no copy), else a numpy copy of its uint view."""
     n = a.shape[0] * a.shape[1] if a.ndim > 1 else 0
     if not n or not a.size:
-        return np.zeros((n, 0), np.uint8)
+        return memoryview(b""), 0
     m = memoryview(a)
-    raw = np.frombuffer(m.cast("B"), np.uint8) if m.c_contiguous else np.array(_row_words(a)).view(np.uint8)
-    return raw.reshape(n, -1)
+    flat = m.cast("B") if m.c_contiguous else memoryview(np.array(_row_words(a)).view(np.uint8).reshape(-1))
+    return flat, flat.nbytes // n
 
 
 def _row_words(a: mx.array) -> mx.array:
     width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
     return a.reshape(a.shape[0] * a.shape[1], -1).view(width)
+
+
+# A decode step's rows in write order (request, then layer) are the same every step of a
+# batch: their byte ranges are made once per shape, not per step
+_DECODE_SLICES: dict[tuple[int, int, int], list[slice]] = {}
+_DECODE_SLICES_MAX = 64
+
+
+def _decode_slices(layers: int, T: int, width: int) -> list[slice]:
+    key = (layers, T, width)
+    got = _DECODE_SLICES.get(key)
+    if got is None:
+        if len(_DECODE_SLICES) >= _DECODE_SLICES_MAX:
+            _DECODE_SLICES.clear()
+        got = _DECODE_SLICES[key] = row_slices(np.arange(layers * T).reshape(layers, T).T.ravel(), width)
+    return got
 
 
 def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
@@ -82,13 +109,12 @@ def kv_writes(plan: StepPlan, model: str, k, v=None) -> StepKvWrites:
     kv = k if isinstance(k, StepKv) else StepKv.of(k, v)
     layers, T = kv.layers, kv.rows
     sl = plan.slices
-    rows = np.arange(layers * T, dtype=np.int64).reshape(layers, T)
     if len(sl) == T and all(s.count == 1 and s.row_offset == i for i, s in enumerate(sl)):  # decode
-        order = rows.T.ravel()
+        kh, vh = kv.hashes_at(_decode_slices(layers, T, kv.row_width))
     else:
+        rows = np.arange(layers * T, dtype=np.int64).reshape(layers, T)
         parts = [rows[:, s.row_offset:s.row_offset + s.count].ravel() for s in sl]
-        order = np.concatenate(parts) if parts else np.zeros(0, np.int64)
-    kh, vh = kv.hashes_in(order)
+        kh, vh = kv.hashes_in(np.concatenate(parts) if parts else np.zeros(0, np.int64))
     return StepKvWrites(plan.index, model, sl, layers, kh, vh)
 
 

@@ -52,3 +52,42 @@ def test_step_hashes_are_per_layer_and_position(dtype):
         for layer in range(layers):
             for pos in range(t):
                 assert int(h[layer, pos]) == xxhash.xxh3_64_intdigest(raw[layer, pos].tobytes())
+
+
+def _plan(index: int, counts: list[int]):
+    from divergence.core.events import DECODE, PREFILL, SeqSlice, StepPlan
+
+    slices, row = [], 0
+    for i, n in enumerate(counts):
+        slices.append(SeqSlice(f"r{i}", PREFILL if n > 1 else DECODE, 10 * i, n, row, tuple(range(n))))
+        row += n
+    return StepPlan(index, "target", tuple(slices))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("counts", [[1] * 6, [1] * 6, [1, 1, 1], [3, 1, 2], [4]])
+@pytest.mark.parametrize("strided", [False, True])
+def test_step_writes_hash_each_slice_layer_position(dtype, counts, strided):
+    """kv_writes' hashes, write by write (slice, then layer, then position), are the plain
+    xxh3 of each stored row, for decode steps (whose byte ranges are kept per shape: the
+    repeated [1] * 6 runs them again from the kept ranges) and mixed ones, from contiguous
+    and strided K/V."""
+    from divergence.engine.kv_events import kv_writes
+
+    layers, T, kv_heads, head_dim = 3, sum(counts), 2, 32
+    shape = (layers, T, kv_heads, head_dim * (2 if strided else 1))
+    k = mx.random.normal(shape, key=mx.random.key(T)).astype(dtype)
+    v = mx.random.normal(shape, key=mx.random.key(T + 1)).astype(dtype)
+    if strided:
+        k, v = k[..., ::2], v[..., ::2]
+    writes = kv_writes(_plan(7, counts), "target", k, v).events()
+    assert len(writes) == len(counts) * layers
+    word = mx.uint16 if dtype != mx.float32 else mx.uint32
+    raw_k, raw_v = (np.array(mx.contiguous(a).view(word)) for a in (k, v))
+    row = np.cumsum([0] + counts)
+    for w in writes:
+        i = int(w.request_id[1:])
+        assert (w.start, w.count) == (10 * i, counts[i])
+        for j in range(w.count):
+            for raw, h in ((raw_k, w.k_hashes), (raw_v, w.v_hashes)):
+                assert int(h[j]) == xxhash.xxh3_64_intdigest(raw[w.layer, row[i] + j].tobytes())
