@@ -15,6 +15,7 @@ import numpy as np
 
 from ..core.events import KERNEL_ROW, StepKernels, StepKvWrites
 from . import schema as S
+from .layout import concat
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Encoder:
         self.n_slices = self.n_input = self.n_logit_rows = self.n_hashes = self.n_choices = 0
         self._attrs: dict = {}
         self._readers: dict = {}
+        self._kernel_block: tuple[list, np.ndarray] | None = None  # the last step's kernel rows and records
 
     def encode(self, batch: Batch) -> dict[str, list[np.ndarray]]:
         out: dict[str, list[np.ndarray]] = {}
@@ -191,13 +193,48 @@ class Encoder:
 
     def _kernel_steps(self, steps: list) -> np.ndarray:
         """The records of steps' kernel choices given as rows (StepKernels): the records
-        _objects makes of their KernelChoice events, a column at a time from the rows."""
+        _objects makes of their KernelChoice events. A step whose rows equal the step before's
+        (every decode step of a batch: the dispatcher hands the same row tuples) reuses its
+        records with the step changed; other steps are made a column at a time from the rows."""
+        parts, pending, repeats = [], [], []  # pending: new steps in a row; repeats: steps of the block
+
+        def make_pending() -> None:
+            if pending:
+                rec = self._kernel_rows(pending)
+                parts.append(rec)
+                self._kernel_block = (pending[-1].rows, rec[len(rec) - len(pending[-1].rows):].copy())
+                pending.clear()
+
+        def make_repeats() -> None:
+            if repeats:
+                block = self._kernel_block[1]
+                rec = np.tile(block, len(repeats))
+                rec["step"] = np.repeat(np.array(repeats, np.int64), len(block))
+                parts.append(rec)
+                repeats.clear()
+
+        for sk in steps:
+            if not sk.rows:
+                continue
+            before = pending[-1].rows if pending else self._kernel_block and self._kernel_block[0]
+            if before and before == sk.rows:
+                make_pending()  # (the block is now the step before's)
+                repeats.append(sk.step)
+            else:
+                make_repeats()
+                pending.append(sk)
+        make_pending()
+        make_repeats()
+        if not parts:
+            return np.empty(0, self.dtypes["kernels"])
+        return parts[0] if len(parts) == 1 else concat(parts)
+
+    def _kernel_rows(self, steps: list) -> np.ndarray:
+        """The records of steps' rows, a column at a time."""
         rows = [r for sk in steps for r in sk.rows]
         n = len(rows)
         dt = self.dtypes["kernels"]
         rec = np.empty(n, dt)
-        if not n:
-            return rec
         cols = dict(zip(KERNEL_ROW, zip(*rows)))
         for name, c in S.TABLES["kernels"].columns.items():
             if name == "step":
