@@ -56,5 +56,9 @@ step pytest_cuda_v6.txt 220 python3 -m pytest -q -p no:cacheprovider -rA tests/t
 #   ONLY="env.txt graph_nodes.txt profile_v7.txt"
 step graph_nodes.txt 120 python3 bench/graph_nodes.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --batches 1,8,32 --model-cache $MC --out $R/graph_nodes.json
 step profile_v7.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8 --no-pyinstrument --model-cache $MC --out $R/profile.json
+# the same at B=32 and 64 (graph_nodes.py now takes an all-decode step):
+#   ONLY="env.txt profile_v8.txt graph_nodes_v2.txt"
+step profile_v8.txt 60 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 8,32,64 --no-pyinstrument --model-cache $MC --out $R/profile.json
+step graph_nodes_v2.txt 120 python3 bench/graph_nodes.py --models qwen0.5b --dtypes stored --batches 8,64 --model-cache $MC --out $R/graph_nodes.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
