@@ -55,11 +55,11 @@ def first_difference(a: Record, b: Record) -> dict | None:
     return None
 
 
-def check(eng_model, prompts, n: int, runs: int) -> list[dict | None]:
+def check(eng_model, prompts, n: int, runs: int, policy: str = "native") -> list[dict | None]:
     recs = []
     for _ in range(runs):
         rec = Record()
-        eng = Engine(eng_model, policy="native", stop_at_eos=False, observers=[rec], prefill="mlx-lm",
+        eng = Engine(eng_model, policy=policy, stop_at_eos=False, observers=[rec], prefill="mlx-lm",
                      token_budget=max(4096, sum(len(p) for p in prompts)))
         eng.run([Request(f"r{i}", tuple(p), max_tokens=n) for i, p in enumerate(prompts)], "concurrent")
         recs.append(rec)
@@ -73,6 +73,7 @@ def main():
     ap.add_argument("--points", default=None, help="B:context,... (default 8:1024,32:512)")
     ap.add_argument("--runs", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--policy", default="native", help="the engine's kernel policy (default native)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model-cache", default=None)
     ap.add_argument("--out", default=None)
@@ -87,13 +88,15 @@ def main():
         for d in dtypes:
             t = C.load(C.model_path(m, target, args.model_cache), None if d == "stored" else d)
             for b, c in pts:
-                diffs = check(t, C.prompts(t.encode, b, c), args.tokens, args.runs)
+                diffs = check(t, C.prompts(t.encode, b, c), args.tokens, args.runs, args.policy)
                 same = sum(x is None for x in diffs)
-                print(f"{m} {t.dtype} B={b} context={c}: {same}/{len(diffs)} runs equal the first", flush=True)
+                print(f"{m} {t.dtype} {args.policy} B={b} context={c}: {same}/{len(diffs)} runs equal the first",
+                      flush=True)
                 for i, x in enumerate(diffs):
                     if x is not None:
                         print(f"   run {i + 2}: first difference {x}", flush=True)
-                results.append({"model": m, "dtype": t.dtype, "batch": b, "context": c, "runs": args.runs,
+                results.append({"model": m, "dtype": t.dtype, "policy": args.policy, "batch": b, "context": c,
+                                "runs": args.runs,
                                 "differences": diffs})
     out = C.out_path("repeat_check", args.quick, args.out)
     C.write_json(out, {"meta": C.meta(args), "results": results})

@@ -15,7 +15,8 @@ from divergence.engine.kernels.dispatch import KernelDispatcher
 from divergence.engine.engine import Engine
 from divergence.engine.model.kv_cache import PagedKVCache
 from divergence.engine.sched.blocks import BlockManager
-from divergence.engine.model.prepared import CUDNN_ROWS, batched_blocks, prepare_step
+from divergence.engine.kernels.attention import CUDNN_ROWS, batched_blocks
+from divergence.engine.model.prepared import prepare_step
 
 H, KV, HD, BS = 4, 2, 32, 16
 ON_CPU = mx.default_device() == mx.cpu
@@ -131,6 +132,53 @@ def test_batched_blocks(block_size):
         nb = batched_blocks(L, block_size)
         assert nb * block_size >= L and (nb * block_size) % CUDNN_ROWS != 0
         assert nb - -(-L // block_size) in (0, 1)  # at most one block more than the length needs
+
+
+class _AsOnGpu:
+    """attention's `mx` as on a GPU: one-row calls take the GPU's reads (mlxlm_reads or
+    stable_reads), which this CPU's SDPA then runs."""
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    @staticmethod
+    def default_device():
+        return mx.gpu
+
+
+def test_one_row_reads_follow_the_run_policy():
+    """batch-invariant and gemv promise a sequence's bits whatever the batch: their one-row
+    calls read the layout whose kernel is the same every run; the other policies read
+    mlx-lm's, generate_step's numbers."""
+    for name, onerow in (("batch-invariant", attention.STABLE), ("gemv", attention.STABLE),
+                         ("native", attention.MLXLM), ("per-seq", attention.MLXLM), ("gemm", attention.MLXLM),
+                         ("batched", attention.MLXLM)):
+        assert KernelDispatcher(KernelPolicy.parse(name), "target")._onerow == onerow, name
+
+
+@pytest.mark.skipif(not ON_CPU, reason="runs the GPU's reads through this CPU's SDPA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_stable_one_row_reads(monkeypatch, dtype):
+    """stable_reads: from 256 positions K/V gathered into batched_blocks' rows (never a multiple
+    of 256, so MLX CUDA's one-row SDPA always takes its vector kernel), below that the pool's
+    slice; the float64 reference's values, and on the CPU (which reads any layout alike) the
+    bits of mlx-lm's layout."""
+    spec = [(DECODE, 255, 1), (DECODE, 250, 1), (DECODE, 511, 1), (DECODE, 300, 1), (DECODE, 40, 1)]
+    plan, blocks, cache, q = _step(spec, dtype, num_blocks=160)
+    prep = prepare_step(plan, blocks, "per-seq")
+    widths = []
+    real_gather_batch = cache.gather_batch
+    monkeypatch.setattr(cache, "gather_batch", lambda layer, t, n: widths.append((t.shape[1], n)) or
+                        real_gather_batch(layer, t, n))
+    monkeypatch.setattr(attention, "mx", _AsOnGpu())
+    stable = attention.attend(prep, 0, q, cache, HD ** -0.5, attention.STABLE)
+    assert [n for _, n in widths] == [s.start + 1 for s in plan.slices if s.start + 1 >= attention.KV_STEP]
+    assert all((nb * BS) % CUDNN_ROWS != 0 and nb * BS >= n for nb, n in widths)
+    mlxlm = attention.attend(prep, 0, q, cache, HD ** -0.5, attention.MLXLM)
+    ref = _reference(plan, blocks, cache, q)
+    tol = 1e-5 if dtype == mx.float32 else 3e-2
+    assert np.abs(np.asarray(stable.astype(mx.float32), np.float64) - ref).max() <= tol * max(1.0, np.abs(ref).max())
+    assert np.array_equal(_bits(stable), _bits(mlxlm))
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the CPU's SDPA: on MLX CUDA the rows choose the kernel (test_cuda.py)")

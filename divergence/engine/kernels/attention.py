@@ -24,6 +24,26 @@ if TYPE_CHECKING:  # the step's layout and the cache are read, never built, here
 
 sdpa = mx.fast.scaled_dot_product_attention
 KV_STEP = 256  # mlx-lm's KVCache grows its buffer by this many positions
+MLXLM, STABLE = "mlx-lm", "stable"  # how a one-row call reads K/V on the GPU (see attend)
+
+
+# MLX CUDA runs a one-row, unmasked SDPA over >= 256 keys through cuDNN only when the K/V
+# buffer's rows are a multiple of this, and then only when the allocator's buffer is exactly
+# that size, which follows the process's allocation history: the same step ran cuDNN in one
+# run and MLX's vector kernel in the next, other bits each time (bench/repeat_check.py, and
+# bench/sdpa_kernel_choice.py's "a page larger" line)
+CUDNN_ROWS = 256
+
+
+def batched_blocks(length: int, block_size: int) -> int:
+    """Blocks a batched call's K/V are gathered into: enough for `length` positions, and one
+    more where their rows would be a multiple of CUDNN_ROWS, so that every such call runs
+    the vector kernel and a step's bits are a function of its inputs, run after run. (mlx-lm
+    has no batched-call bits to keep; a one-sequence call reads mlx-lm's own layout,
+    mlxlm_reads, except under the policies whose promise is one sequence's bits whatever the
+    batch: stable_reads.) The CPU's SDPA reads any number of rows alike."""
+    nb = -(-length // block_size)
+    return nb + 1 if (nb * block_size) % CUDNN_ROWS == 0 else nb
 
 
 def mlxlm_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.array, mx.array]:
@@ -47,6 +67,20 @@ def mlxlm_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.ar
         return cache.gather_batch(layer, g.padded_table(rows // cache.block_size), L)
     k, v = cache.gather(layer, g.table, L, first_slot=g.first_slot)  # (a block size that does not divide 256)
     return _in_buffer(k, rows), _in_buffer(v, rows)
+
+
+def stable_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.array, mx.array]:
+    """One sequence's K and V [1, kv_heads, L, hd] for a one-row SDPA on the GPU, read as the
+    batched call reads them (its layout at B=1: batched_blocks), so that from 256 positions
+    the call always runs the vector kernel. mlx-lm's layout (mlxlm_reads) takes cuDNN or the
+    vector kernel as the allocator happens to size its buffer, so the same sequence could
+    get other bits run after run: what `batch-invariant` and `gemv` promise, one sequence's
+    bits whatever the batch, holds only if they are the same bits every run. Under 256
+    positions every layout gives the same numbers: the pool's own slice, as mlxlm_reads."""
+    L = g.length
+    if L < KV_STEP:
+        return cache.gather(layer, g.table, L, first_slot=g.first_slot)
+    return cache.gather_batch(layer, g.padded_table(batched_blocks(L, cache.block_size)), L)
 
 
 def _in_buffer(x: mx.array, rows: int) -> mx.array:
@@ -75,20 +109,23 @@ def run_batched(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: fl
 OWN_KERNELS = (run_per_seq, run_batched)
 
 
-def attend(prep: PreparedStep, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
-    """q: [T, heads, 1, head_dim] (after RoPE) -> [T, heads * head_dim] in step row order."""
+def attend(prep: PreparedStep, layer: int, q: mx.array, cache: PagedKVCache, scale: float,
+           onerow: str = MLXLM) -> mx.array:
+    """q: [T, heads, 1, head_dim] (after RoPE) -> [T, heads * head_dim] in step row order.
+    onerow: how a one-row call reads K/V on the GPU: MLXLM (mlxlm_reads: generate_step's
+    numbers) or STABLE (stable_reads: the same numbers every run)."""
     T, H, _, hd = q.shape
     outs = []
     for g in prep.groups:
         if not g.batched:
-            outs.append(_one(g, layer, q, cache, scale))
+            outs.append(_one(g, layer, q, cache, scale, onerow))
         else:
             outs.append(_batched(g, layer, q, cache, scale))
     a = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
     return a if prep.out_perm is None else a[prep.out_perm]
 
 
-def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: float) -> mx.array:
+def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: float, onerow: str) -> mx.array:
     _, H, _, hd = q.shape
     n = g.count
     if n == 1:
@@ -96,7 +133,7 @@ def _one(g: SeqAttention, layer: int, q: mx.array, cache: PagedKVCache, scale: f
     else:
         qs = q[g.row : g.row + n].reshape(n, H, hd).transpose(1, 0, 2)[None]
     if n == 1 and mx.default_device() == mx.gpu:  # (one-row queries; see mlxlm_reads)
-        k, v = mlxlm_reads(g, layer, cache)
+        k, v = (mlxlm_reads if onerow == MLXLM else stable_reads)(g, layer, cache)
     else:
         k, v = cache.gather(layer, g.table, g.length, first_slot=g.first_slot)
     o = run_per_seq(qs, k, v, scale)

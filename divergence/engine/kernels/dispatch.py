@@ -72,6 +72,13 @@ class KernelDispatcher:
         # see _record
         self._protos: dict[tuple, tuple[LinearOp, tuple]] = {}
 
+    @property
+    def _onerow(self) -> str:
+        """How a one-row attention call reads K/V on the GPU (attention.attend): under the
+        policies that promise a sequence's bits whatever the batch, the layout whose kernel
+        is the same every run; under the others, mlx-lm's (generate_step's numbers)."""
+        return attention.STABLE if self.policy.name in (BATCH_INVARIANT, GEMV) else attention.MLXLM
+
     def begin_step(self, step: int) -> None:
         self._step = step
         forced = self.forced.get(step, self.policy)
@@ -120,8 +127,8 @@ class KernelDispatcher:
         time), recorded as op `attention`: m = query rows, n = sequences, k = the longest
         KV length, kv_min = the shortest; native_class = the kernel's probed class."""
         split = self._head_split(prep, q, cache)
-        out = attention.attend(prep, layer, q, cache, scale) if split is None else _by_heads(prep, layer, q, cache,
-                                                                                               scale, split)
+        out = attention.attend(prep, layer, q, cache, scale, self._onerow) if split is None else \
+            _by_heads(prep, layer, q, cache, scale, split, self._onerow)
         if self.emit is not None:
             if layer == 0 or self._attn_key != (self._step, id(prep)):  # (the same for every layer of a step)
                 self._attn_key = (self._step, id(prep))
@@ -215,7 +222,7 @@ class KernelDispatcher:
             self.emit(kernel_choice(self._step, got[1]))
 
 
-def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split) -> mx.array:
+def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split, onerow: str) -> mx.array:
     """attention.attend in KV head groups, one per stream of the split (the first on the caller's),
     joined along the features: each query head reads one KV head, so every group computes its
     heads' outputs from the same values, in calls of the same shapes per head, as the whole call
@@ -229,5 +236,5 @@ def _by_heads(prep, layer: int, q: mx.array, cache, scale: float, split) -> mx.a
     for i, (h0, h1) in enumerate(zip(edges, edges[1:])):
         view = HeadSlice(cache, h0, h1)
         with mx.stream(split.streams[i - 1]) if i else nullcontext():
-            outs.append(attention.attend(prep, layer, q[:, h0 * per_q : h1 * per_q], view, scale))
+            outs.append(attention.attend(prep, layer, q[:, h0 * per_q : h1 * per_q], view, scale, onerow))
     return mx.concatenate(outs, axis=-1)

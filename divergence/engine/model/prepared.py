@@ -26,27 +26,10 @@ import numpy as np
 
 from ...core.events import PREFILL, StepPlan
 from ...core.names import BATCHED, PADDED, PER_SEQ
+from ..kernels.attention import batched_blocks
 from ..sched.blocks import BlockManager
 
 BATCH_MAX_QUERY = 16  # longest non-prefill slice that joins the batched call (a verify is spec_k + 1)
-
-
-# MLX CUDA runs a one-row, unmasked SDPA over >= 256 keys through cuDNN only when the K/V
-# buffer's rows are a multiple of this, and then only when the allocator's buffer is exactly
-# that size, which follows the process's allocation history: the same step ran cuDNN in one
-# run and MLX's vector kernel in the next, other bits each time (bench/repeat_check.py, and
-# bench/sdpa_kernel_choice.py's "a page larger" line)
-CUDNN_ROWS = 256
-
-
-def batched_blocks(length: int, block_size: int) -> int:
-    """Blocks a batched call's K/V are gathered into: enough for `length` positions, and one
-    more where their rows would be a multiple of CUDNN_ROWS, so that every such call runs
-    the vector kernel and a step's bits are a function of its inputs, run after run. (mlx-lm
-    has no batched-call bits to keep; a one-sequence call reads mlx-lm's own layout:
-    kernels/attention.mlxlm_reads.) The CPU's SDPA reads any number of rows alike."""
-    nb = -(-length // block_size)
-    return nb + 1 if (nb * block_size) % CUDNN_ROWS == 0 else nb
 
 
 def batchable(s) -> bool:
