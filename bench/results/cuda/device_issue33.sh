@@ -60,5 +60,14 @@ step profile_v7.txt 40 python3 bench/profile_engine.py --models qwen0.5b --dtype
 #   ONLY="env.txt profile_v8.txt graph_nodes_v2.txt"
 step profile_v8.txt 60 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 8,32,64 --no-pyinstrument --model-cache $MC --out $R/profile.json
 step graph_nodes_v2.txt 120 python3 bench/graph_nodes.py --models qwen0.5b --dtypes stored --batches 8,64 --model-cache $MC --out $R/graph_nodes.json
+# batch-invariant's one-row reads in the batched layout (attention.stable_reads): the repeat
+# check under batch-invariant before (patch -R) and after, the CUDA tests, then the final tree's
+# speed: ONLY="env.txt bi_repeat_before.txt bi_repeat_after.txt pytest_cuda_v7.txt profile_v9.txt context_bf16_v7.txt context_4bit_v7.txt"
+step bi_repeat_before.txt 80 bash -c "patch -s -R -p1 < bench/results/cuda/stable_reads.patch && python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --policy batch-invariant --points 8:1024,2:2048 --runs 3 --tokens 8 --model-cache $MC --out $R/repeat_check_bi_before.json; patch -s -p1 < bench/results/cuda/stable_reads.patch"
+step bi_repeat_after.txt 80 python3 bench/repeat_check.py --models qwen0.5b --dtypes stored --policy batch-invariant --points 8:1024,2:2048 --runs 3 --tokens 8 --model-cache $MC --out $R/repeat_check_bi.json
+step pytest_cuda_v7.txt 240 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py
+step profile_v9.txt 70 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8,32,64 --no-pyinstrument --model-cache $MC --out $R/profile.json
+step context_bf16_v7.txt 120 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
+step context_4bit_v7.txt 140 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
