@@ -214,7 +214,7 @@ def test_batched_decode_is_repeatable(tmp_path):
     """The same batch run again in one process gives the same bits: on the H200 the first
     decode step of 8 prompts of 1,024 tokens ran cuDNN in one run and MLX's vector kernel
     in the next (the choice follows the allocator's buffer sizes) until the batched reads
-    stopped spanning a multiple of 256 rows (attention.batched_blocks). repeat_check reports
+    stopped spanning a multiple of 256 rows (read_rows.batched_blocks). repeat_check reports
     the first KV write where two runs part (None: none)."""
     results = _repeat_check(tmp_path, "native", "8:1024,64:512")
     assert len(results) == 2

@@ -15,7 +15,7 @@ from divergence.engine.kernels.dispatch import KernelDispatcher
 from divergence.engine.engine import Engine
 from divergence.engine.model.kv_cache import PagedKVCache
 from divergence.engine.sched.blocks import BlockManager
-from divergence.engine.kernels.attention import CUDNN_ROWS, batched_blocks
+from divergence.engine.kernels.read_rows import CUDNN_ROWS, batched_blocks
 from divergence.engine.model.prepared import prepare_step
 
 H, KV, HD, BS = 4, 2, 32, 16

@@ -18,32 +18,14 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from .read_rows import KV_STEP, batched_blocks
+
 if TYPE_CHECKING:  # the step's layout and the cache are read, never built, here (model/ imports kernels/)
     from ..model.kv_cache import PagedKVCache
     from ..model.prepared import BatchedAttention, PreparedStep, SeqAttention
 
 sdpa = mx.fast.scaled_dot_product_attention
-KV_STEP = 256  # mlx-lm's KVCache grows its buffer by this many positions
 MLXLM, STABLE = "mlx-lm", "stable"  # how a one-row call reads K/V on the GPU (see attend)
-
-
-# MLX CUDA runs a one-row, unmasked SDPA over >= 256 keys through cuDNN only when the K/V
-# buffer's rows are a multiple of this, and then only when the allocator's buffer is exactly
-# that size, which follows the process's allocation history: the same step ran cuDNN in one
-# run and MLX's vector kernel in the next, other bits each time (bench/repeat_check.py, and
-# bench/sdpa_kernel_choice.py's "a page larger" line)
-CUDNN_ROWS = 256
-
-
-def batched_blocks(length: int, block_size: int) -> int:
-    """Blocks a batched call's K/V are gathered into: enough for `length` positions, and one
-    more where their rows would be a multiple of CUDNN_ROWS, so that every such call runs
-    the vector kernel and a step's bits are a function of its inputs, run after run. (mlx-lm
-    has no batched-call bits to keep; a one-sequence call reads mlx-lm's own layout,
-    mlxlm_reads, except under the policies whose promise is one sequence's bits whatever the
-    batch: stable_reads.) The CPU's SDPA reads any number of rows alike."""
-    nb = -(-length // block_size)
-    return nb + 1 if (nb * block_size) % CUDNN_ROWS == 0 else nb
 
 
 def mlxlm_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.array, mx.array]:

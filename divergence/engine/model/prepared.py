@@ -26,7 +26,7 @@ import numpy as np
 
 from ...core.events import PREFILL, StepPlan
 from ...core.names import BATCHED, PADDED, PER_SEQ
-from ..kernels.attention import batched_blocks
+from ..kernels.read_rows import batched_blocks
 from ..sched.blocks import BlockManager
 
 BATCH_MAX_QUERY = 16  # longest non-prefill slice that joins the batched call (a verify is spec_k + 1)
