@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..core.names import ATTENTION, ATTENTION_KERNELS, OPS
-from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy
+from ..core.names import ATTENTION, ATTENTION_KERNELS, OPS, TP_SHARDING
+from ..core.policy import SOLO, SOLO_NAME, UNSHARDED, UNSHARDED_NAME, KernelPolicy, UnshardedStep
 from ..errors import PolicyError
 
 
@@ -60,9 +60,6 @@ def check_forced(trace, forced: dict) -> None:
     steps = np.asarray(trace.steps["index"])
     have = set(int(x) for x in steps)
     span = f"steps {int(steps.min())}-{int(steps.max())}" if len(steps) else "no steps"
-
-    from .tp import check_unsharded  # (lazy: a cycle: tp words its forcings with describe_forced)
-
     check_unsharded(trace, forced)
     for step, pol in sorted(forced.items()):
         if step not in have:
@@ -74,6 +71,20 @@ def check_forced(trace, forced: dict) -> None:
             if unknown:
                 raise PolicyError(f"--force {step}:{unknown[0]}=...: step {step} of {trace.path} ran no op "
                                   f"{unknown[0]!r} (it ran {', '.join(o for o in _op_order(ran))})")
+
+
+def check_unsharded(trace, forced: dict) -> None:
+    """STEP:unsharded on a trace of one device would silently do nothing: refuse it."""
+    uses = any(isinstance(p, UnshardedStep) or (isinstance(p, dict) and any(isinstance(x, UnshardedStep)
+               for x in p.values())) for p in forced.values())
+    if uses and trace.tp_degree <= 1:
+        raise PolicyError(f"--force ...:unsharded: {trace.path} was recorded on one device (TP=1): nothing is sharded")
+    for step, p in forced.items():
+        if isinstance(p, dict):
+            bad = [op for op, x in p.items() if isinstance(x, UnshardedStep) and op not in TP_SHARDING]
+            if bad:
+                raise PolicyError(f"--force {step}:{bad[0]}=unsharded: {bad[0]} is not sharded "
+                                  f"(sharded ops: {', '.join(TP_SHARDING)})")
 
 
 def _op_order(ops) -> list[str]:

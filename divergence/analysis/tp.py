@@ -12,8 +12,8 @@ import tempfile
 import numpy as np
 
 from ..core.names import SHARDED_TO_ALL, TP_SHARDING
-from ..core.policy import UNSHARDED, UnshardedStep
-from ..errors import PolicyError, RanksNeededError
+from ..core.policy import UNSHARDED
+from ..errors import RanksNeededError
 from ..trace.reader import Trace
 from .environment_confirm import replay_in_child
 
@@ -26,20 +26,6 @@ def degree(trace) -> int:
 
 def degrees(a, b) -> tuple[int, int]:
     return degree(a), degree(b)
-
-
-def check_unsharded(trace, forced: dict) -> None:
-    """STEP:unsharded on a trace of one device would silently do nothing: refuse it."""
-    uses = any(isinstance(p, UnshardedStep) or (isinstance(p, dict) and any(isinstance(x, UnshardedStep)
-               for x in p.values())) for p in forced.values())
-    if uses and degree(trace) <= 1:
-        raise PolicyError(f"--force ...:unsharded: {trace.path} was recorded on one device (TP=1): nothing is sharded")
-    for step, p in forced.items():
-        if isinstance(p, dict):
-            bad = [op for op, x in p.items() if isinstance(x, UnshardedStep) and op not in TP_SHARDING]
-            if bad:
-                raise PolicyError(f"--force {step}:{bad[0]}=unsharded: {bad[0]} is not sharded "
-                                  f"(sharded ops: {', '.join(TP_SHARDING)})")
 
 
 def allreduce_summary(trace, step: int) -> dict:
