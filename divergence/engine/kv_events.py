@@ -47,18 +47,14 @@ class StepKv:
     def hashes_in(self, order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """uint64 [len(order)]: the hashes of rows `order` of K and of V (row l * T + t:
         layer l, position t), in that order (None: every row in turn)."""
-        (kb, width), (vb, _) = _row_buffer(self.k), _row_buffer(self.v)
-        slices = row_slices(np.arange(self.layers * self.rows) if order is None else order, width)
-        return hash_at(kb, slices), hash_at(vb, slices)
+        starts = np.arange(self.layers * self.rows) if order is None else order
+        return tuple(hash_at(buf, row_slices(starts, width)) for buf, width in map(_row_buffer, self.arrays()))
 
-    def hashes_at(self, slices: list[slice]) -> tuple[np.ndarray, np.ndarray]:
-        """The hashes of the K and V rows at `slices` (row_slices of their row width)."""
-        return hash_at(_row_buffer(self.k)[0], slices), hash_at(_row_buffer(self.v)[0], slices)
-
-    @property
-    def row_width(self) -> int:
-        """Bytes of one [l, t] row: all kv heads of one position of one layer."""
-        return self.k.dtype.size * int(np.prod(self.k.shape[2:])) if self.k.ndim > 1 else 0
+    def decode_hashes(self) -> tuple[np.ndarray, np.ndarray]:
+        """hashes_in of a decode step's write order (request, then layer), from byte ranges
+        made once per shape (_decode_slices)."""
+        return tuple(hash_at(buf, _decode_slices(self.layers, self.rows, width))
+                     for buf, width in map(_row_buffer, self.arrays()))
 
 
 def _row_buffer(a: mx.array) -> tuple[memoryview, int]:
@@ -110,7 +106,7 @@ def kv_writes(plan: StepPlan, model: str, k, v=None) -> StepKvWrites:
     layers, T = kv.layers, kv.rows
     sl = plan.slices
     if len(sl) == T and all(s.count == 1 and s.row_offset == i for i, s in enumerate(sl)):  # decode
-        kh, vh = kv.hashes_at(_decode_slices(layers, T, kv.row_width))
+        kh, vh = kv.decode_hashes()
     else:
         rows = np.arange(layers * T, dtype=np.int64).reshape(layers, T)
         parts = [rows[:, s.row_offset:s.row_offset + s.count].ravel() for s in sl]

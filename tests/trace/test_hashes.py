@@ -91,3 +91,22 @@ def test_step_writes_hash_each_slice_layer_position(dtype, counts, strided):
         for j in range(w.count):
             for raw, h in ((raw_k, w.k_hashes), (raw_v, w.v_hashes)):
                 assert int(h[j]) == xxhash.xxh3_64_intdigest(raw[w.layer, row[i] + j].tobytes())
+
+
+@pytest.mark.parametrize("counts", [[1] * 4, [2, 1, 3]])
+def test_step_writes_hash_k_and_v_rows_of_their_own_width(counts):
+    """K and V rows need not be as wide (a model whose values have another head dim): each
+    array's hashes are of its own rows."""
+    from divergence.engine.kv_events import kv_writes
+
+    layers, T = 2, sum(counts)
+    k = mx.random.normal((layers, T, 2, 32), key=mx.random.key(5))
+    v = mx.random.normal((layers, T, 2, 16), key=mx.random.key(6))
+    writes = kv_writes(_plan(1, counts), "target", k, v).events()
+    raw_k, raw_v = np.array(k.view(mx.uint32)), np.array(v.view(mx.uint32))
+    row = np.cumsum([0] + counts)
+    for w in writes:
+        i = int(w.request_id[1:])
+        for j in range(w.count):
+            assert int(w.k_hashes[j]) == xxhash.xxh3_64_intdigest(raw_k[w.layer, row[i] + j].tobytes())
+            assert int(w.v_hashes[j]) == xxhash.xxh3_64_intdigest(raw_v[w.layer, row[i] + j].tobytes())
