@@ -7,6 +7,7 @@ so its traces hash K/V exactly as the engine's do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -73,20 +74,11 @@ def _row_words(a: mx.array) -> mx.array:
     return a.reshape(a.shape[0] * a.shape[1], -1).view(width)
 
 
-# A decode step's rows in write order (request, then layer) are the same every step of a
-# batch: their byte ranges are made once per shape, not per step
-_DECODE_SLICES: dict[tuple[int, int, int], list[slice]] = {}
-_DECODE_SLICES_MAX = 64
-
-
+@lru_cache(maxsize=64)
 def _decode_slices(layers: int, T: int, width: int) -> list[slice]:
-    key = (layers, T, width)
-    got = _DECODE_SLICES.get(key)
-    if got is None:
-        if len(_DECODE_SLICES) >= _DECODE_SLICES_MAX:
-            _DECODE_SLICES.clear()
-        got = _DECODE_SLICES[key] = row_slices(np.arange(layers * T).reshape(layers, T).T.ravel(), width)
-    return got
+    """A decode step's rows in write order (request, then layer) are the same every step of a
+    batch: their byte ranges are made once per shape, not per step (read only: shared)."""
+    return row_slices(np.arange(layers * T).reshape(layers, T).T.ravel(), width)
 
 
 def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:
