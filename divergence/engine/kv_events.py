@@ -7,13 +7,11 @@ so its traces hash K/V exactly as the engine's do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
-
 import mlx.core as mx
 import numpy as np
 
 from ..core.events import TARGET, KvWrite, StepKvWrites, StepPlan
-from ..core.hashing import hash_at, row_slices
+from ..core.hashing import hash_byte_rows
 
 
 @dataclass
@@ -22,7 +20,7 @@ class StepKv:
     graph and evaluated with it, so reading them later starts no new work (a new op would
     queue behind the next step, already in flight). A position's hash is of its row's bytes,
     all kv heads; they are read through the arrays' buffers, so the graph needs no ops of
-    its own for them (uint views, reshapes: 4 a step)."""
+    its own for them."""
 
     k: mx.array
     v: mx.array
@@ -43,42 +41,42 @@ class StepKv:
 
     def hashes(self) -> tuple[np.ndarray, np.ndarray]:
         """uint64 [layers, T] hashes of every position's exact K and V bytes (all kv heads)."""
-        return tuple(h.reshape(self.layers, -1) for h in self.hashes_in(None))
+        return tuple(hash_byte_rows(_flat(r)).reshape(r.shape[:2]) for r in self._rows())
 
-    def hashes_in(self, order: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    def hashes_in(self, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """uint64 [len(order)]: the hashes of rows `order` of K and of V (row l * T + t:
-        layer l, position t), in that order (None: every row in turn)."""
-        starts = np.arange(self.layers * self.rows) if order is None else order
-        return tuple(hash_at(buf, row_slices(starts, width)) for buf, width in map(_row_buffer, self.arrays()))
+        layer l, position t), in that order."""
+        return tuple(hash_byte_rows(_flat(r)[order]) for r in self._rows())
 
     def decode_hashes(self) -> tuple[np.ndarray, np.ndarray]:
-        """hashes_in of a decode step's write order (request, then layer), from byte ranges
-        made once per shape (_decode_slices)."""
-        return tuple(hash_at(buf, _decode_slices(self.layers, self.rows, width))
-                     for buf, width in map(_row_buffer, self.arrays()))
+        """hashes_in of a decode step's write order (request, then layer): the [T, layers]
+        rows, copied in that order (a few KB) and hashed."""
+        return tuple(hash_byte_rows(_flat(r.transpose(1, 0, 2))) for r in self._rows())
+
+    def _rows(self) -> tuple[np.ndarray, np.ndarray]:
+        return _byte_rows(self.k), _byte_rows(self.v)
 
 
-def _row_buffer(a: mx.array) -> tuple[memoryview, int]:
-    """(a flat byte view of the [layers, T, ...] rows, one row's bytes): the array's own buffer
-    where it is C-contiguous (no copy), else a numpy copy of its uint view."""
-    n = a.shape[0] * a.shape[1] if a.ndim > 1 else 0
-    if not n or not a.size:
-        return memoryview(b""), 0
+def _byte_rows(a: mx.array) -> np.ndarray:
+    """uint8 [layers, T, one row's bytes] of a [layers, T, ...] array: a view of its own buffer
+    where it is C-contiguous (no copy), else a numpy copy of its uint view. K and V each at
+    their own width (a model's values may be narrower than its keys)."""
+    layers, T = a.shape[0], a.shape[1] if a.ndim > 1 else 0
+    if not layers * T or not a.size:
+        return np.zeros((layers, T, 0), np.uint8)
     m = memoryview(a)
-    flat = m.cast("B") if m.c_contiguous else memoryview(np.array(_row_words(a)).view(np.uint8).reshape(-1))
-    return flat, flat.nbytes // n
+    flat = np.frombuffer(m.cast("B"), np.uint8) if m.c_contiguous else np.array(_row_words(a)).view(np.uint8)
+    return flat.reshape(layers, T, -1)
+
+
+def _flat(rows: np.ndarray) -> np.ndarray:
+    """[a, b, bytes] -> [a * b, bytes] (a copy where the axes were swapped)."""
+    return rows.reshape(rows.shape[0] * rows.shape[1], rows.shape[2])
 
 
 def _row_words(a: mx.array) -> mx.array:
     width = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.dtype.size]
     return a.reshape(a.shape[0] * a.shape[1], -1).view(width)
-
-
-@lru_cache(maxsize=64)
-def _decode_slices(layers: int, T: int, width: int) -> list[slice]:
-    """A decode step's rows in write order (request, then layer) are the same every step of a
-    batch: their byte ranges are made once per shape, not per step (read only: shared)."""
-    return row_slices(np.arange(layers * T).reshape(layers, T).T.ravel(), width)
 
 
 def kv_hashes(k: mx.array, v: mx.array) -> tuple[np.ndarray, np.ndarray]:

@@ -110,3 +110,10 @@ def test_step_writes_hash_k_and_v_rows_of_their_own_width(counts):
         for j in range(w.count):
             assert int(w.k_hashes[j]) == xxhash.xxh3_64_intdigest(raw_k[w.layer, row[i] + j].tobytes())
             assert int(w.v_hashes[j]) == xxhash.xxh3_64_intdigest(raw_v[w.layer, row[i] + j].tobytes())
+
+
+def test_step_with_no_rows_hashes_nothing():
+    """A step that wrote no positions (T = 0) has [layers, 0] hashes, not an error."""
+    k = mx.zeros((3, 0, 2, 64), dtype=mx.bfloat16)
+    kh, vh = kv_hashes(k, k)
+    assert kh.shape == vh.shape == (3, 0) and kh.dtype == np.uint64
