@@ -69,5 +69,26 @@ step pytest_cuda_v7.txt 240 python3 -m pytest -q -p no:cacheprovider -rA tests/t
 step profile_v9.txt 70 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 1,8,32,64 --no-pyinstrument --model-cache $MC --out $R/profile.json
 step context_bf16_v7.txt 120 python3 bench/bench_context.py --models qwen0.5b --dtypes stored --reps 5 --model-cache $MC --out $R/context_bf16.json
 step context_4bit_v7.txt 140 python3 bench/bench_context.py --models qwen0.5b-4bit --dtypes stored --reps 5 --model-cache $MC --out $R/context_4bit.json
+# round 7, does MLX CUDA's graph batching make the engine's queue grow with B? The same profile
+# under MLX's CUDA graph settings (mlx/backend/cuda/device.cpp: a graph is committed past
+# MLX_MAX_OPS_PER_BUFFER nodes or MLX_MAX_MB_PER_BUFFER MB of inputs; execs cached by topology):
+#   ONLY="env.txt penv_default.txt penv_mb.txt penv_nographs.txt penv_ops.txt penv_cache.txt"
+P="python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 8,64 --no-pyinstrument --model-cache $MC"
+step penv_default.txt 60 $P --out $R/penv_default.json
+step penv_mb.txt 60 env MLX_MAX_MB_PER_BUFFER=1000000 $P --out $R/penv_mb.json
+step penv_nographs.txt 60 env MLX_USE_CUDA_GRAPHS=0 $P --out $R/penv_nographs.json
+step penv_ops.txt 60 env MLX_MAX_OPS_PER_BUFFER=400 $P --out $R/penv_ops.json
+step penv_cache.txt 60 env MLX_CUDA_GRAPH_CACHE_SIZE=4000 $P --out $R/penv_cache.json
+# where the engine's host time at B=64 goes (--runs 2), native frames (py-spy --native; its wheel carried
+# in .whl-c2): ONLY="env.txt hp_engine64.txt hp_mlxlm64.txt hp_engine8.txt hp_mlxlm8.txt hp_summary.txt"
+HP="python3 bench/host_profile.py --model-cache $MC --runs 2"
+SPY="timeout 150 py-spy record --native --format raw -r 40 -d 60"  # (at 400 Hz native unwinding fell minutes behind)
+[[ " $ONLY " != *" hp_"* ]] || [ -x /root/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /root/spy $W/py_spy-*.whl
+export PATH=$PATH:/root/spy/bin
+step hp_engine64.txt 60 $SPY -o $R/hp_engine64.raw -- $HP --side engine --batch 64
+step hp_mlxlm64.txt 60 $SPY -o $R/hp_mlxlm64.raw -- $HP --side mlxlm --batch 64
+step hp_engine8.txt 60 $SPY -o $R/hp_engine8.raw -- $HP --side engine --batch 8
+step hp_mlxlm8.txt 60 $SPY -o $R/hp_mlxlm8.raw -- $HP --side mlxlm --batch 8
+step hp_summary.txt 10 $HP --summarize $R/hp_engine64.raw $R/hp_mlxlm64.raw $R/hp_engine8.raw $R/hp_mlxlm8.raw --top 30
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
