@@ -193,10 +193,13 @@ class Encoder:
 
     def _kernel_steps(self, steps: list) -> np.ndarray:
         """The records of steps' kernel choices given as rows (StepKernels): the records
-        _objects makes of their KernelChoice events. A step whose rows equal the step before's
-        (every decode step of a batch: the dispatcher hands the same row tuples) reuses its
-        records with the step changed; other steps are made a column at a time from the rows."""
-        parts, pending, repeats = [], [], []  # pending: new steps in a row; repeats: steps of the block
+        _objects makes of their KernelChoice events. A step whose rows equal those of the
+        last step made (the block) reuses its records with the step changed; one whose rows
+        differ from them in a few places only (every decode step: its attention rows carry the
+        growing KV length, its linear ops' rows are the same tuples) reuses them with those
+        rows made anew, all such rows of a run of steps in one go; other steps are made a
+        column at a time from the rows."""
+        parts, pending, derived = [], [], []  # pending: new steps; derived: (step, rows changed) from the block
 
         def make_pending() -> None:
             if pending:
@@ -205,26 +208,33 @@ class Encoder:
                 self._kernel_block = (pending[-1].rows, rec[len(rec) - len(pending[-1].rows):].copy())
                 pending.clear()
 
-        def make_repeats() -> None:
-            if repeats:
+        def make_derived() -> None:
+            if derived:
                 block = self._kernel_block[1]
-                rec = np.tile(block, len(repeats))
-                rec["step"] = np.repeat(np.array(repeats, np.int64), len(block))
+                n = len(block)
+                rec = np.tile(block, len(derived))
+                rec["step"] = np.repeat(np.array([sk.step for sk, _ in derived], np.int64), n)
+                at = [j * n + i for j, (_, changed) in enumerate(derived) for i in changed]
+                if at:
+                    rec[at] = self._kernel_rows([StepKernels(sk.step, [sk.rows[i] for i in changed])
+                                                 for sk, changed in derived if changed])
                 parts.append(rec)
-                repeats.clear()
+                self._kernel_block = (derived[-1][0].rows, rec[len(rec) - n:].copy())
+                derived.clear()
 
         for sk in steps:
             if not sk.rows:
                 continue
-            before = pending[-1].rows if pending else self._kernel_block and self._kernel_block[0]
-            if before and before == sk.rows:
+            if pending and _changed_rows(pending[-1].rows, sk.rows) is not None:
                 make_pending()  # (the block is now the step before's)
-                repeats.append(sk.step)
-            else:
-                make_repeats()
+            changed = _changed_rows(self._kernel_block[0], sk.rows) if self._kernel_block and not pending else None
+            if changed is None:
+                make_derived()
                 pending.append(sk)
+            else:
+                derived.append((sk, changed))
         make_pending()
-        make_repeats()
+        make_derived()
         if not parts:
             return np.empty(0, self.dtypes["kernels"])
         return parts[0] if len(parts) == 1 else concat(parts)
@@ -397,3 +407,15 @@ def _runs(items: list):
             yield from group
         else:
             yield list(group)
+
+
+def _changed_rows(before: list, rows: list) -> list[int] | None:
+    """Where `rows` differ from an earlier step's `before` (rows of one length), when that is
+    at most half of them (the rest keep their records; [] when none differ); None otherwise.
+    The dispatcher hands an unchanged op the same tuple, so most rows are equal by identity."""
+    if len(before) != len(rows):
+        return None
+    if before == rows:
+        return []
+    changed = [i for i, (a, b) in enumerate(zip(before, rows)) if a is not b and a != b]
+    return changed if 2 * len(changed) <= len(rows) else None

@@ -21,9 +21,19 @@ def _rows(m: int, layers: int = 3) -> list[tuple]:
     return [("target", layer, op, m, "native", m, 64, 32, 1, 7, -1, 0) for layer in range(layers) for op in ops]
 
 
-@pytest.mark.parametrize("pattern", ["aaaa", "abab", "aabba", "abbb", "a", "ab0a", "0aa0"])
+def _attention_like(rows: list[tuple], kv: int) -> list[tuple]:
+    """`rows` with every third one (a decode step's attention rows) carrying KV length `kv`."""
+    return [r[:7] + (kv,) + r[8:11] + (kv,) if i % 3 == 2 else r for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize("pattern", ["aaaa", "abab", "aabba", "abbb", "a", "ab0a", "0aa0", "acde", "acca", "abcd",
+                                     "ac0d", "cdcd"])
 def test_repeated_steps_give_the_records_of_their_rows(pattern):
-    shared = {"a": _rows(8), "b": _rows(3)}
+    """b: every row differs from a's (made anew); c, d, e: a third of a's rows differ (the
+    others' records are reused, those rows made anew)."""
+    a = _rows(8)
+    shared = {"a": a, "b": _rows(3), "c": _attention_like(a, 40), "d": _attention_like(a, 41),
+              "e": _attention_like(a, 42)}
     steps = []
     for i, c in enumerate(pattern * 2):
         rows = [] if c == "0" else list(shared[c]) if i % 2 else [tuple(r) for r in shared[c]]  # equal, or the same
