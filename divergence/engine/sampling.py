@@ -12,6 +12,7 @@ purpose): a request's samples never depend on its batch, its step, or call order
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -31,15 +32,18 @@ class DeviceSample:
     """A step's sampling results, still on the device (lazy until evaluated)."""
 
     ids: mx.array  # [R] mlx-lm's greedy token per logit row
-    top_ids: mx.array | None  # [R, k] the k largest logits' ids (unordered)
+    # the k largest logits' ids (unordered), as device_topk gives them: ([R, k] ids,) or, from its
+    # two stages, ([R, k] chunk ids, [R, k] picks), the host's to combine (`chunk`)
+    top_cols: tuple | None
     top_vals: mx.array | None  # [R, k] their values, in the model dtype
     chosen: mx.array | None  # [R, 1] the logit of ids, in the model dtype
     full: mx.array | None  # [S, vocab] float32: the rows that sample with temperature
     full_rows: tuple[int, ...] = ()
     lse: mx.array | None = None  # [R] float32 logsumexp of each row (a greedy token's probability)
-    # what the host needs of the above, as uint32 bits in one [R, 1 + 2k + 2] array: one
-    # copy to the host, not five (each one a wait on a GPU)
+    # what the host needs of the above, as uint32 bits in one [R, 1 + (2 or 3) k + 2] array:
+    # one copy to the host, not five (each one a wait on a GPU)
     packed: mx.array | None = None
+    chunk: int = 0  # top_cols are topk's two stages' (chunk ids, picks) of this chunk size; 0: ids
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.packed if self.packed is not None else self.ids, self.full) if a is not None]
@@ -75,12 +79,12 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
     lse_model = mx.logsumexp(logits, axis=-1, keepdims=True)
     logprobs = logits - lse_model
     ids = mx.argmax(logprobs, axis=-1)
-    top_ids = top_vals = chosen = lse = None
+    top_cols = top_vals = chosen = lse = None
+    chunk = 0
     if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
         src = logprobs if values == LOGPROBS else logits
-        top_ids = topk_ids(src, min(top_k, logits.shape[-1]))
-        top_vals = mx.take_along_axis(src, top_ids, axis=-1)
-        chosen = mx.take_along_axis(src, ids[:, None], axis=-1)
+        top_cols, top_vals, chunk = device_topk(src, min(top_k, logits.shape[-1]))
+        chosen = src.reshape(-1)[ids[:, None] + _row_starts(rows, src.shape[1])]
         # float32 logsumexp of the values, for the chosen token's probability (for fp32 logits
         # it is the one the greedy pick used)
         if src.dtype == mx.float32 and values != LOGPROBS:
@@ -93,30 +97,56 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
         full = logits[mx.array(np.asarray(full_rows, dtype=np.int32))].astype(mx.float32)
     packed = None
     if want_topk:
-        packed = mx.concatenate([ids[:, None].astype(mx.uint32), top_ids.astype(mx.uint32), _bits(top_vals),
-                                 _bits(chosen), _bits(lse[:, None])], axis=1)
-    return DeviceSample(ids, top_ids, top_vals, chosen, full, full_rows, lse, packed)
+        packed = mx.concatenate([ids[:, None].astype(mx.uint32), *top_cols, _bits(top_vals), _bits(chosen),
+                                 _bits(lse[:, None])], axis=1)
+    return DeviceSample(ids, top_cols, top_vals, chosen, full, full_rows, lse, packed, chunk)
 
 
 CHUNK = 128  # vocabulary chunk of the two-stage top-k
 
 
-def topk_ids(logits: mx.array, k: int) -> mx.array:
-    """[R, k] ids of the k largest logits of each row (unordered). Two stages: the k chunks
-    of CHUNK ids with the largest maxima hold every value above the k-th largest, and
-    enough equal to it (so the values are exact; which of the ids tied at the k-th value
-    are kept is arbitrary, as with any partition), then a partition of those k * CHUNK.
-    One pass over the vocabulary (a max) instead of a partition of it: on a large
-    vocabulary, several times cheaper."""
-    rows, vocab = logits.shape
+def device_topk(src: mx.array, k: int) -> tuple[tuple, mx.array, int]:
+    """The k largest values of each row of [R, vocab] `src` (unordered): (id columns, [R, k]
+    values, chunk). Two stages: the k chunks of CHUNK ids with the largest maxima hold every
+    value above the k-th largest, and enough equal to it (so the values are exact; which of
+    the ids tied at the k-th value are kept is arbitrary, as with any partition), then a
+    partition of those k * CHUNK. One pass over the vocabulary (a max) instead of a
+    partition of it: on a large vocabulary, several times cheaper. The columns are then
+    ([R, k] chunk ids, [R, k] picks among the k * CHUNK), id = chunk_ids[pick // CHUNK] *
+    CHUNK + pick % CHUNK, made on the host (_unpack); with one stage ([R, k] ids,), chunk 0.
+
+    The values are read by flat gathers (uint32 indices into the rows laid end to end), not
+    take_along_axis: on first use MLX CUDA compiles a kernel module per primitive and dtype
+    pair, and take_along_axis's (GatherAxis, every rank and layout variant) took ~10 s each
+    for the two pairs this needed on an H200 (bench/results/cuda/host_profile_compile.txt).
+    A gather moves values: the same bits either way."""
+    rows, vocab = src.shape
+    flat = src.reshape(-1)
     if vocab % CHUNK or vocab // CHUNK <= k:
-        return mx.argpartition(logits, kth=vocab - k, axis=-1)[:, vocab - k :]
+        ids = mx.argpartition(src, kth=vocab - k, axis=-1)[:, vocab - k :]
+        return (ids,), flat[ids + _row_starts(rows, vocab)], 0
     n = vocab // CHUNK
-    best = mx.argpartition(logits.reshape(rows, n, CHUNK).max(axis=-1), kth=n - k, axis=-1)[:, n - k :]
-    cand = (best[:, :, None] * CHUNK + mx.arange(CHUNK, dtype=best.dtype)).reshape(rows, k * CHUNK)
-    vals = mx.take_along_axis(logits, cand, axis=-1)
-    pick = mx.argpartition(vals, kth=k * CHUNK - k, axis=-1)[:, k * CHUNK - k :]
-    return mx.take_along_axis(cand, pick, axis=-1)
+    best = mx.argpartition(src.reshape(rows, n, CHUNK).max(axis=-1), kth=n - k, axis=-1)[:, n - k :]
+    at = ((best * CHUNK + _row_starts(rows, vocab))[:, :, None] + _chunk_offsets()).reshape(rows, k * CHUNK)
+    cand = flat[at]  # [R, k * CHUNK]: the values of the k best chunks
+    pick = mx.argpartition(cand, kth=k * CHUNK - k, axis=-1)[:, k * CHUNK - k :]
+    return (best, pick), cand.reshape(-1)[pick + _row_starts(rows, k * CHUNK)], CHUNK
+
+
+@lru_cache(maxsize=32)
+def _row_starts(rows: int, width: int) -> mx.array:
+    """uint32 [rows, 1]: where each row of a [rows, width] array starts in its flat form (made
+    once per shape: a constant, no op a step)."""
+    a = mx.arange(rows, dtype=mx.uint32)[:, None] * width
+    mx.eval(a)
+    return a
+
+
+@lru_cache(maxsize=1)
+def _chunk_offsets() -> mx.array:
+    a = mx.arange(CHUNK, dtype=mx.uint32)
+    mx.eval(a)
+    return a
 
 
 @dataclass
@@ -163,7 +193,7 @@ def to_host(ds: DeviceSample) -> Sampled:
     """Copy a (evaluated or not) DeviceSample to the host; sorts the small top-k there."""
     # with the top-k everything comes packed in one array; without it, only the ids
     if ds.packed is not None:
-        out = _unpack(np.array(ds.packed), ds.top_vals.dtype)
+        out = _unpack(np.array(ds.packed), ds.top_vals.dtype, ds.chunk)
     else:
         out = Sampled(np.array(ds.ids).astype(np.int64))
     if ds.full is not None:
@@ -172,14 +202,20 @@ def to_host(ds: DeviceSample) -> Sampled:
     return out
 
 
-def _unpack(p: np.ndarray, dtype) -> Sampled:
-    k = (p.shape[1] - 3) // 2
-    part = p[:, 1 : 1 + k].astype(np.int32)
-    vals = _widen(p[:, 1 + k : 1 + 2 * k], dtype)
-    order = np.lexsort((part, -vals), axis=-1)
+def _unpack(p: np.ndarray, dtype, chunk: int) -> Sampled:
+    """The packed [R, ids | id columns | values | chosen | lse] uint32 rows (sample_on_device)."""
+    k = (p.shape[1] - 3) // (3 if chunk else 2)
     rows = np.arange(len(p))[:, None]  # (fancy indexing: take_along_axis costs more than the sort at [8, 8])
-    return Sampled(p[:, 0].astype(np.int64), part[rows, order], vals[rows, order], _widen(p[:, 1 + 2 * k], dtype),
-                   lse=p[:, 2 + 2 * k].view(np.float32))
+    if chunk:  # topk's two stages: id = chunk_ids[pick // chunk] * chunk + pick % chunk
+        best, pick = p[:, 1 : 1 + k].astype(np.int64), p[:, 1 + k : 1 + 2 * k].astype(np.int64)
+        part = (best[rows, pick // chunk] * chunk + pick % chunk).astype(np.int32)
+    else:
+        part = p[:, 1 : 1 + k].astype(np.int32)
+    v = p.shape[1] - 2 - k  # the values' first column
+    vals = _widen(p[:, v : v + k], dtype)
+    order = np.lexsort((part, -vals), axis=-1)
+    return Sampled(p[:, 0].astype(np.int64), part[rows, order], vals[rows, order], _widen(p[:, v + k], dtype),
+                   lse=p[:, v + k + 1].view(np.float32))
 
 
 def float32(a: mx.array) -> np.ndarray:

@@ -90,5 +90,13 @@ step hp_mlxlm64.txt 60 $SPY -o $R/hp_mlxlm64.raw -- $HP --side mlxlm --batch 64
 step hp_engine8.txt 60 $SPY -o $R/hp_engine8.raw -- $HP --side engine --batch 8
 step hp_mlxlm8.txt 60 $SPY -o $R/hp_mlxlm8.raw -- $HP --side mlxlm --batch 8
 step hp_summary.txt 10 $HP --summarize $R/hp_engine64.raw $R/hp_mlxlm64.raw $R/hp_engine8.raw $R/hp_mlxlm8.raw --top 30
+# the first run in a fresh process (an empty MLX_PTX_CACHE_DIR each): the sampler's flat
+# gathers (flat_gathers.patch) against take_along_axis before them, and mlx-lm's; then the
+# sampling tests on the GPU: ONLY="env.txt first_before.txt first_after.txt first_mlxlm.txt pytest_sampling.txt"
+FR="python3 bench/first_run.py --model-cache $MC"
+step first_before.txt 120 bash -c "patch -s -R -p1 < bench/results/cuda/flat_gathers.patch && $FR --side engine --label before; patch -s -p1 < bench/results/cuda/flat_gathers.patch"
+step first_after.txt 90 $FR --side engine --label after
+step first_mlxlm.txt 60 $FR --side mlxlm
+step pytest_sampling.txt 60 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_sampling.py
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT

@@ -1,0 +1,75 @@
+"""The first run in a fresh process on a GPU: how long MLX's kernel compiles make it, and which.
+
+    python bench/first_run.py --side engine --model-cache DIR     # the engine, B prompts
+    python bench/first_run.py --side mlxlm --model-cache DIR      # mlx-lm's BatchGenerator
+
+MLX CUDA compiles a kernel module on first use per (primitive, dtype pair) and keeps it
+under MLX_PTX_CACHE_DIR (default: the temp dir), so only a machine's first process pays.
+This script points MLX_PTX_CACHE_DIR at a new empty directory before MLX starts, so every
+invocation measures a fresh machine's first run: the wall time of the first and the second
+run of the same batch (the second compiles nothing new), and the modules compiled (the
+cache's file names). On a CPU nothing is compiled; the script still runs (the times of the
+two runs). Prints one line of JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--side", choices=("engine", "mlxlm"), required=True)
+    ap.add_argument("--model", default="qwen0.5b")
+    ap.add_argument("--dtype", default="stored")
+    ap.add_argument("--model-cache", default=None)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=8)
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    cache = Path(tempfile.mkdtemp(prefix="mlx-ptx-"))
+    os.environ["MLX_PTX_CACHE_DIR"] = str(cache)  # before MLX reads it (at its first compile)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import common as C  # noqa: I001  (sys.path + BLAS before mlx)
+
+    from mlx_lm.generate import BatchGenerator
+
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+
+    target, _, _ = C.fixture_paths(None, None)
+    t = C.load(C.model_path(a.model, target, a.model_cache), None if a.dtype == "stored" else a.dtype)
+    ps = C.prompts(t.encode, a.batch, a.prompt)
+    if a.side == "engine":
+        eng = Engine(t, policy="native", stop_at_eos=False)
+
+        def once():
+            eng.run([Request(f"r{i}", tuple(p), max_tokens=a.tokens) for i, p in enumerate(ps)], "concurrent")
+    else:
+        def once():
+            gen = BatchGenerator(t.model, max_tokens=a.tokens, completion_batch_size=max(32, a.batch),
+                                 prefill_batch_size=max(8, a.batch))
+            gen.insert([list(p) for p in ps], [a.tokens] * len(ps))
+            while gen.next_generated():
+                pass
+            gen.close()
+
+    times = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        once()
+        C.sync()
+        times.append(time.perf_counter() - t0)
+    modules = sorted(p.stem for p in cache.rglob("*.ptx"))
+    print(json.dumps({"side": a.side, "label": a.label, "model": a.model, "batch": a.batch, "first_s": times[0],
+                      "second_s": times[1], "compiled_s": times[0] - times[1], "modules": modules}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
