@@ -98,5 +98,7 @@ step first_before.txt 120 bash -c "patch -s -R -p1 < bench/results/cuda/flat_gat
 step first_after.txt 90 $FR --side engine --label after
 step first_mlxlm.txt 60 $FR --side mlxlm
 step pytest_sampling.txt 60 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_sampling.py
+# the final tree's B=1 bit-for-bit tests (the sampler's flat gathers): ONLY="env.txt pytest_cuda_b1_v8.txt"
+step pytest_cuda_b1_v8.txt 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k b1_native_is_generate_step_bit_for_bit
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
