@@ -235,6 +235,35 @@ def sync():
     mx.synchronize()
 
 
+def batch_runner(side: str, loaded, prompts: list[list[int]], tokens: int):
+    """A function that runs `prompts` for `tokens` new tokens each, all arriving at once, on
+    one side and returns its steps: "engine" (native, untraced, concurrent) or "mlxlm"
+    (BatchGenerator, the whole batch in one prefill and one decode batch)."""
+    from mlx_lm.generate import BatchGenerator
+
+    from divergence.core.request import Request
+    from divergence.engine.engine import Engine
+
+    if side == "engine":
+        eng = Engine(loaded, policy="native", stop_at_eos=False)
+
+        def run() -> int:
+            reqs = [Request(f"r{i}", tuple(p), max_tokens=tokens) for i, p in enumerate(prompts)]
+            return eng.run(reqs, "concurrent").steps
+        return run
+
+    def run() -> int:
+        gen = BatchGenerator(loaded.model, max_tokens=tokens, completion_batch_size=max(32, len(prompts)),
+                             prefill_batch_size=max(8, len(prompts)))
+        gen.insert([list(p) for p in prompts], [tokens] * len(prompts))
+        n = 0
+        while gen.next_generated():
+            n += 1
+        gen.close()
+        return n
+    return run
+
+
 def reset_mem():
     sync()
     mx.clear_cache()

@@ -38,27 +38,9 @@ def main():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import common as C  # noqa: I001  (sys.path + BLAS before mlx)
 
-    from mlx_lm.generate import BatchGenerator
-
-    from divergence.core.request import Request
-    from divergence.engine.engine import Engine
-
     target, _, _ = C.fixture_paths(None, None)
     t = C.load(C.model_path(a.model, target, a.model_cache), None if a.dtype == "stored" else a.dtype)
-    ps = C.prompts(t.encode, a.batch, a.prompt)
-    if a.side == "engine":
-        eng = Engine(t, policy="native", stop_at_eos=False)
-
-        def once():
-            eng.run([Request(f"r{i}", tuple(p), max_tokens=a.tokens) for i, p in enumerate(ps)], "concurrent")
-    else:
-        def once():
-            gen = BatchGenerator(t.model, max_tokens=a.tokens, completion_batch_size=max(32, a.batch),
-                                 prefill_batch_size=max(8, a.batch))
-            gen.insert([list(p) for p in ps], [a.tokens] * len(ps))
-            while gen.next_generated():
-                pass
-            gen.close()
+    once = C.batch_runner(a.side, t, C.prompts(t.encode, a.batch, a.prompt), a.tokens)
 
     times = []
     for _ in range(2):

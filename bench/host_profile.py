@@ -30,31 +30,9 @@ COMPILING = ("nvrtc", "JitModule", "build_plans")
 def run_side(a) -> None:
     import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
 
-    from mlx_lm.generate import BatchGenerator
-
-    from divergence.core.request import Request
-    from divergence.engine.engine import Engine
-
     target, _, _ = C.fixture_paths(None, None)
     t = C.load(C.model_path(a.model, target, a.model_cache), None if a.dtype == "stored" else a.dtype)
-    ps = C.prompts(t.encode, a.batch, a.prompt)
-    if a.side == "engine":
-        eng = Engine(t, policy="native", stop_at_eos=False)
-
-        def once():
-            reqs = [Request(f"r{i}", tuple(p), max_tokens=a.tokens) for i, p in enumerate(ps)]
-            return eng.run(reqs, "concurrent").steps
-    else:
-        def once():
-            gen = BatchGenerator(t.model, max_tokens=a.tokens, completion_batch_size=max(32, a.batch),
-                                 prefill_batch_size=max(8, a.batch))
-            gen.insert([list(p) for p in ps], [a.tokens] * len(ps))
-            n = 0
-            while gen.next_generated():
-                n += 1
-            gen.close()
-            return n
-
+    once = C.batch_runner(a.side, t, C.prompts(t.encode, a.batch, a.prompt), a.tokens)
     once()  # warm-up: kernels compiled, buffers cached at this shape
     C.sync()
     t0 = time.perf_counter()
