@@ -84,7 +84,7 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
     if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
         src = logprobs if values == LOGPROBS else logits
         top_cols, top_vals, chunk = device_topk(src, min(top_k, logits.shape[-1]))
-        chosen = src.reshape(-1)[ids[:, None] + _row_starts(rows, src.shape[1])]
+        chosen = _take_rows(src, ids[:, None])
         # float32 logsumexp of the values, for the chosen token's probability (for fp32 logits
         # it is the one the greedy pick used)
         if src.dtype == mx.float32 and values != LOGPROBS:
@@ -115,22 +115,37 @@ def device_topk(src: mx.array, k: int) -> tuple[tuple, mx.array, int]:
     ([R, k] chunk ids, [R, k] picks among the k * CHUNK), id = chunk_ids[pick // CHUNK] *
     CHUNK + pick % CHUNK, made on the host (_unpack); with one stage ([R, k] ids,), chunk 0.
 
-    The values are read by flat gathers (uint32 indices into the rows laid end to end), not
-    take_along_axis: on first use MLX CUDA compiles a kernel module per primitive and dtype
-    pair, and take_along_axis's (GatherAxis, every rank and layout variant) took ~10 s each
-    for the two pairs this needed on an H200 (bench/results/cuda/host_profile_compile.txt).
-    A gather moves values: the same bits either way."""
+    On a GPU the values are read by flat gathers (_take_rows), not take_along_axis: on first
+    use MLX CUDA compiles a kernel module per primitive and dtype pair, and take_along_axis's
+    (GatherAxis, every rank and layout variant) took ~10 s each for the two pairs this
+    needed on an H200 (bench/results/cuda/host_profile_compile.txt). A gather moves values:
+    the same bits either way."""
     rows, vocab = src.shape
-    flat = src.reshape(-1)
     if vocab % CHUNK or vocab // CHUNK <= k:
         ids = mx.argpartition(src, kth=vocab - k, axis=-1)[:, vocab - k :]
-        return (ids,), flat[ids + _row_starts(rows, vocab)], 0
+        return (ids,), _take_rows(src, ids), 0
     n = vocab // CHUNK
     best = mx.argpartition(src.reshape(rows, n, CHUNK).max(axis=-1), kth=n - k, axis=-1)[:, n - k :]
-    at = ((best * CHUNK + _row_starts(rows, vocab))[:, :, None] + _chunk_offsets()).reshape(rows, k * CHUNK)
-    cand = flat[at]  # [R, k * CHUNK]: the values of the k best chunks
+    cand = _take_rows(src, (best[:, :, None] * CHUNK + _chunk_offsets()).reshape(rows, k * CHUNK))
     pick = mx.argpartition(cand, kth=k * CHUNK - k, axis=-1)[:, k * CHUNK - k :]
-    return (best, pick), cand.reshape(-1)[pick + _row_starts(rows, k * CHUNK)], CHUNK
+    return (best, pick), _take_rows(cand, pick), CHUNK
+
+
+def _take_rows(a: mx.array, idx: mx.array) -> mx.array:
+    """[R, j]: a[r, idx[r, i]] of [R, n] `a` (idx uint32). On a GPU one gather of `a`'s rows
+    laid end to end, at idx plus each row's start (see device_topk); elsewhere, and where
+    that many elements would overflow uint32 indices (2**32: over 28,000 rows of a
+    151,936-word vocabulary), take_along_axis: the CPU compiles nothing, and there the flat
+    form's two more graph nodes cost ~15 us a fixture step. The same values either way."""
+    rows, width = a.shape
+    if rows * width >= 2**32 or not flat_gathers():
+        return mx.take_along_axis(a, idx, axis=-1)
+    return a.reshape(-1)[idx + _row_starts(rows, width)]
+
+
+def flat_gathers() -> bool:
+    """Whether _take_rows gathers flat: on a GPU (where take_along_axis is a module to compile)."""
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 @lru_cache(maxsize=32)

@@ -147,3 +147,20 @@ def test_overlap_and_spec_under_the_mlx_lm_prefill_layout(target, draft, prompts
         fast, _ = _events(target, d, reqs, "concurrent", overlap=True, spec_k=spec_k, stop_at_eos=False,
                           prefill="mlx-lm")
         assert fast == sync
+
+
+@pytest.mark.parametrize("vocab", [1000, 4096])  # one partition; two stages (vocab chunks)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_flat_gathers_read_what_take_along_axis_reads(dtype, vocab, monkeypatch):
+    """On a GPU the sampler reads its values by flat gathers (no take_along_axis module to
+    compile there); here, on the CPU, that path against the CPU's take_along_axis: the same
+    ids, top-k, chosen logits and logsumexp, bit for bit, ties included."""
+    logits = _rows(dtype, rows=5, vocab=vocab, seed=4)
+    assert not smp.flat_gathers() or mx.default_device().type == mx.DeviceType.gpu
+    got = {}
+    for flat in (False, True):
+        monkeypatch.setattr(smp, "flat_gathers", lambda flat=flat: flat)
+        s = smp.to_host(smp.sample_on_device(logits, top_k=6))
+        got[flat] = [s.ids, s.top_ids, s.top_vals.view(np.uint32), s.chosen.view(np.uint32), s.lse.view(np.uint32)]
+    for a, b in zip(got[False], got[True]):
+        assert a.tobytes() == b.tobytes()
