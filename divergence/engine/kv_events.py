@@ -7,6 +7,7 @@ so its traces hash K/V exactly as the engine's do.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
