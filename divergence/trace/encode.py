@@ -225,13 +225,15 @@ class Encoder:
         for sk in steps:
             if not sk.rows:
                 continue
-            if pending and _changed_rows(pending[-1].rows, sk.rows) is not None:
-                make_pending()  # (the block is now the step before's)
-            changed = _changed_rows(self._kernel_block[0], sk.rows) if self._kernel_block and not pending else None
+            # compared with the step before when it is new, else with the block (a run of
+            # derived steps all derive from the one block)
+            before = pending[-1].rows if pending else self._kernel_block and self._kernel_block[0]
+            changed = _changed_rows(before, sk.rows) if before else None
             if changed is None:
                 make_derived()
                 pending.append(sk)
             else:
+                make_pending()  # (the block is now the step before's)
                 derived.append((sk, changed))
         make_pending()
         make_derived()
