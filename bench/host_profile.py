@@ -6,7 +6,7 @@
 
 `--side engine` runs the engine (native policy, untraced) on B prompts, `--side mlxlm`
 mlx-lm's BatchGenerator on the same prompts; both warm up once at the same shape first,
-then run `--runs` times and print their ms per decode step. `--summarize` reads py-spy's
+then run `--runs` times and print their ms a step (prefill steps included). `--summarize` reads py-spy's
 raw (collapsed) stacks and prints, per file, the share of samples under mx.async_eval and,
 within it, the named native functions that hold the most samples (self and inclusive),
 kernel compilation left out (a first use's, not a step's): where MLX's host time goes on
