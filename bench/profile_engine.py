@@ -43,15 +43,23 @@ SIZES = {"fixture": dict(prompt=16, tokens=48, reps=3), "qwen0.5b": dict(prompt=
 T: dict[str, float] = defaultdict(float)
 STEPS: list[dict] = []  # one record per engine target step
 MODEL_CALLS: list[tuple[float, bool]] = []  # (seconds, decode?) per mlx-lm model call
+MLX_QUEUE: list[tuple[float, float]] = []  # (wall s, thread CPU s) per mlx-lm mx.async_eval
 
 
 def _timed(name, fn):
+    """Wall time into T[name]; for mx.async_eval also the thread's CPU time (T["queue_cpu"]):
+    MLX's eval blocks (sleeps) once more than 10 command buffers are in flight, so a queue
+    whose CPU time is far below its wall time waited for the GPU: the step was GPU-bound."""
+    cpu = name == "queue"
+
     def wrapper(*a, **k):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time() if cpu else 0.0
         try:
             return fn(*a, **k)
         finally:
             T[name] += time.perf_counter() - t
+            if cpu:
+                T["queue_cpu"] += time.thread_time() - c
 
     wrapper.__wrapped__ = fn
     return wrapper
@@ -88,6 +96,25 @@ class Instrument:
     def __exit__(self, *exc):
         for (o, n), f in zip(self.saved, self.orig):
             setattr(o, n, f)
+
+
+class QueueTimer:
+    """Time mlx-lm's mx.async_eval calls (wall and thread CPU)."""
+
+    def __enter__(self):
+        self.orig = orig = mxc.async_eval
+
+        def wrapper(*a, **k):
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return orig(*a, **k)
+            finally:
+                MLX_QUEUE.append((time.perf_counter() - t, time.thread_time() - c))
+
+        mxc.async_eval = wrapper
+
+    def __exit__(self, *exc):
+        mxc.async_eval = self.orig
 
 
 class SyncEval:
@@ -138,6 +165,7 @@ def engine_steps(eng, prompts, n) -> list[dict]:
             d = {k: (cur.get(k, 0.0) - prev.get(k, 0.0)) * 1000 for k in keys}
             d["step"] = (cur["end"] - prev["end"]) * 1000
             d["loop"] = d["step"] - sum(d[k] for k in keys)
+            d["queue_cpu"] = (cur.get("queue_cpu", 0.0) - prev.get("queue_cpu", 0.0)) * 1000
             out.append(d)
     return out
 
@@ -145,12 +173,12 @@ def engine_steps(eng, prompts, n) -> list[dict]:
 def mlx_steps(model, prompts, n, sync: bool) -> dict:
     """Per decode step of generate_step (one prompt) or BatchGenerator: interval and graph-build time (ms)."""
     MODEL_CALLS.clear()
+    MLX_QUEUE.clear()
     C.sync()
     stamps = []
     with ModelCallTimer(model):
-        if sync:
-            ctx = SyncEval()
-            ctx.__enter__()
+        ctx = SyncEval() if sync else QueueTimer()
+        ctx.__enter__()
         try:
             if len(prompts) == 1:
                 for _ in generate_step(mx.array(prompts[0]), model, max_tokens=n):
@@ -164,11 +192,12 @@ def mlx_steps(model, prompts, n, sync: bool) -> dict:
                 gen.close()
             C.sync()
         finally:
-            if sync:
-                ctx.__exit__()
+            ctx.__exit__()
     intervals = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
     builds = [t * 1000 for t, dec in MODEL_CALLS if dec]
-    return {"intervals": intervals, "builds": builds}
+    # the decode calls' queues: the prefill's first ones (a few) are left out by the median
+    return {"intervals": intervals, "builds": builds, "queue": [w * 1000 for w, _ in MLX_QUEUE],
+            "queue_cpu": [c * 1000 for _, c in MLX_QUEUE]}
 
 
 def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dict:
@@ -181,7 +210,8 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
     mlx_steps(t.model, [ps[0][:8]], 2, False)
     res = {"model": name, "dtype": t.dtype, "sizes": sz, "batches": {}}
     for b in batches:
-        eng_steps, mlx = [], {False: {"intervals": [], "builds": []}, True: {"intervals": [], "builds": []}}
+        eng_steps = []
+        mlx = {w: {"intervals": [], "builds": [], "queue": [], "queue_cpu": []} for w in (False, True)}
         for rep in range(sz["reps"]):
             order = ["engine", False, True] if rep % 2 == 0 else [True, False, "engine"]
             for who in order:
@@ -189,8 +219,8 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
                     eng_steps += engine_steps(eng, ps[:b], sz["tokens"])
                 else:
                     r = mlx_steps(t.model, ps[:b], sz["tokens"], who)
-                    mlx[who]["intervals"] += r["intervals"]
-                    mlx[who]["builds"] += r["builds"]
+                    for k in mlx[who]:
+                        mlx[who][k] += r[k]
         e = {k: C.med([s[k] for s in eng_steps]) for k in eng_steps[0]}
         build = e["build_forward"] + e["build_sample"]
         host = build + e["wait"] + e["commit"] + e["loop"]
@@ -200,7 +230,8 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
                                       "mlx_sync": len(mlx[True]["intervals"])},
             "engine_ms_per_step": e["step"],
             "engine_breakdown_ms": {"graph_build": build, "build_forward": e["build_forward"],
-                                    "build_sample": e["build_sample"], "queue": e["queue"], "wait": e["wait"],
+                                    "build_sample": e["build_sample"], "queue": e["queue"],
+                                    "queue_cpu": e["queue_cpu"], "wait": e["wait"],
                                     "commit_events": e["commit"], "loop_scheduler": e["loop"]},
             "engine_host_ms": host,
             "engine_host_frac": host / e["step"] if e["step"] else None,
@@ -208,13 +239,17 @@ def breakdown(name, path, dtype, sz, batches, pyinst: bool, outdir: Path) -> dic
             "mlx_sync_ms_per_step": s_ms,
             "mlx_async_gain": s_ms / a_ms if a_ms else None,
             "mlx_graph_build_ms": C.med(mlx[False]["builds"]),
+            "mlx_queue_ms": C.med(mlx[False]["queue"]),
+            "mlx_queue_cpu_ms": C.med(mlx[False]["queue_cpu"]),
             "engine_speed_vs_mlx_async": a_ms / e["step"] if e["step"] else None,
             "engine_speed_vs_mlx_sync": s_ms / e["step"] if e["step"] else None,
         }
         res["batches"][str(b)] = row
         print(f"   B={b}: engine {e['step']:.2f} ms/step = build {build:.2f} + queue {e['queue']:.2f}"
+              f" (CPU {e['queue_cpu']:.2f})"
               f" + wait {e['wait']:.2f} + commit {e['commit']:.2f} + loop {e['loop']:.2f};"
-              f" mlx-lm async {a_ms:.2f} sync {s_ms:.2f} (build {row['mlx_graph_build_ms']:.2f})", flush=True)
+              f" mlx-lm async {a_ms:.2f} sync {s_ms:.2f} (build {row['mlx_graph_build_ms']:.2f},"
+              f" queue {row['mlx_queue_ms']:.2f} CPU {row['mlx_queue_cpu_ms']:.2f})", flush=True)
         if pyinst:
             from pyinstrument import Profiler
 
@@ -263,12 +298,14 @@ def main():
         for b, x in r["batches"].items():
             bd = x["engine_breakdown_ms"]
             rows.append([r["model"], r["dtype"], b, C.fmt(x["engine_ms_per_step"]), C.fmt(bd["graph_build"]),
-                         C.fmt(bd["queue"]), C.fmt(bd["wait"]), C.fmt(bd["commit_events"]),
+                         C.fmt(bd["queue"]), C.fmt(bd["queue_cpu"]), C.fmt(bd["wait"]), C.fmt(bd["commit_events"]),
                          C.fmt(bd["loop_scheduler"]), C.fmt(x["engine_host_frac"]),
                          C.fmt(x["mlx_async_ms_per_step"]), C.fmt(x["mlx_sync_ms_per_step"]),
-                         C.fmt(x["mlx_graph_build_ms"]), C.fmt(x["engine_speed_vs_mlx_async"])])
-    txt = C.table(rows, ["model", "dtype", "B", "eng ms/step", "build", "queue", "wait", "commit", "loop",
-                         "host frac", "mlx async", "mlx sync", "mlx build", "eng/mlx speed"])
+                         C.fmt(x["mlx_graph_build_ms"]), C.fmt(x["mlx_queue_ms"]), C.fmt(x["mlx_queue_cpu_ms"]),
+                         C.fmt(x["engine_speed_vs_mlx_async"])])
+    txt = C.table(rows, ["model", "dtype", "B", "eng ms/step", "build", "queue", "queue CPU", "wait", "commit",
+                         "loop", "host frac", "mlx async", "mlx sync", "mlx build", "mlx queue", "mlx queue CPU",
+                         "eng/mlx speed"])
     print("\n" + txt)
     C.write_json(Path(a.out), {"meta": meta, "fixture_source": where, "results": out, "table": txt.splitlines(),
                                "seconds": time.perf_counter() - t0})

@@ -100,5 +100,10 @@ step first_mlxlm.txt 60 $FR --side mlxlm
 step pytest_sampling.txt 60 python3 -m pytest -q -p no:cacheprovider -rA tests/engine/test_sampling.py
 # the final tree's B=1 bit-for-bit tests (the sampler's flat gathers): ONLY="env.txt pytest_cuda_b1_v8.txt"
 step pytest_cuda_b1_v8.txt 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k b1_native_is_generate_step_bit_for_bit
+# round 8, is the engine's step at B=64 GPU-bound? The queue's thread CPU time next to its wall
+# time (MLX's eval sleeps once more than 10 command buffers are in flight), both sides; and the
+# sampler's cost alone: ONLY="env.txt queue_cpu.txt sampler_cost.txt"
+step queue_cpu.txt 90 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 8,64 --tokens 24 --no-pyinstrument --model-cache $MC --out $R/queue_cpu.json
+step sampler_cost.txt 60 python3 bench/sampler_cost.py --out $R/sampler_cost.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
