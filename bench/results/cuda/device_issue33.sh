@@ -105,5 +105,14 @@ step pytest_cuda_b1_v8.txt 150 python3 -m pytest -q -p no:cacheprovider -rA test
 # sampler's cost alone: ONLY="env.txt queue_cpu.txt sampler_cost.txt"
 step queue_cpu.txt 90 python3 bench/profile_engine.py --models qwen0.5b --dtypes stored --batches 8,64 --tokens 24 --no-pyinstrument --model-cache $MC --out $R/queue_cpu.json
 step sampler_cost.txt 60 python3 bench/sampler_cost.py --out $R/sampler_cost.json
+# the queue is CPU time (round 8 above): where it grows from B=8 to 64, engine only, longer runs
+# (samples counted, to compare per step): ONLY="env.txt hp2_engine8.txt hp2_engine64.txt hp2_mlxlm64.txt hp2_summary.txt"
+HP2="python3 bench/host_profile.py --model-cache $MC --runs 6 --tokens 128"
+SPY2="timeout 150 py-spy record --native --format raw -r 50 -d 90"
+[[ " $ONLY " != *" hp2_"* ]] || [ -x /root/spy/bin/py-spy ] || python3 -m pip install -q --no-index --no-deps --target /root/spy $W/py_spy-*.whl
+step hp2_engine8.txt 100 $SPY2 -o $R/hp2_engine8.raw -- $HP2 --side engine --batch 8
+step hp2_engine64.txt 100 $SPY2 -o $R/hp2_engine64.raw -- $HP2 --side engine --batch 64
+step hp2_mlxlm64.txt 100 $SPY2 -o $R/hp2_mlxlm64.raw -- $HP2 --side mlxlm --batch 64
+step hp2_summary.txt 10 python3 bench/host_profile.py --summarize $R/hp2_engine8.raw $R/hp2_engine64.raw $R/hp2_mlxlm64.raw --top 45
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
