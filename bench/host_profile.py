@@ -70,10 +70,10 @@ def summarize(paths: list[str], top: int) -> None:
               f" more compiling kernels (JIT, cuDNN plans: first use in the process, left out below)")
         print("   self:")
         for f, n in self_c.most_common(top):
-            print(f"   {n / max(under, 1):6.1%}  {f[:140]}")
+            print(f"   {n:6d} {n / max(under, 1):6.1%}  {f[:140]}")
         print("   inclusive:")
         for f, n in incl_c.most_common(top):
-            print(f"   {n / max(under, 1):6.1%}  {f[:140]}")
+            print(f"   {n:6d} {n / max(under, 1):6.1%}  {f[:140]}")
 
 
 def main():

@@ -30,6 +30,8 @@ from .sched.sequence import Sequence
 from .spec_round import SpecRound
 from .speculative import Proposal, accept_greedy, accept_sampled
 
+_NO_SPEC = (SPEC_NONE,)  # the spec code of a decode row's one token
+
 
 @dataclass
 class Launch:
@@ -316,8 +318,10 @@ class Run:
         plan = launch.plan
         sched.computed(plan)
         r = 0
+        done = []  # sequences this step finished, in plan order
+        by_id = sched.by_id
         for sl in plan.slices:
-            seq = sched.by_id[sl.request_id]
+            seq = by_id[sl.request_id]
             n = len(sl.logit_rows)
             if sl.phase == VERIFY:
                 prop = self.proposals.pop(seq.id)
@@ -335,24 +339,26 @@ class Run:
             elif n:
                 rec = []
                 tok = smp.choose(seq.request.sampling, sampled, r, len(seq.tokens), draws=rec)
-                self.emit_draws(plan.index, seq.id, rec)
-                self._append(seq, [tok], plan.index, sampled, r, [SPEC_NONE])
+                if rec:
+                    self.emit_draws(plan.index, seq.id, rec)
+                self._append(seq, (tok,), plan.index, sampled, r, _NO_SPEC)
             r += n
-        for seq in [sched.by_id[sl.request_id] for sl in plan.slices]:
             if seq.finished:
-                self._finish(sched, seq, plan.index)
+                done.append(seq)
+        for seq in done:
+            self._finish(sched, seq, plan.index)
         self.close(launch)
 
-    def _append(self, seq: Sequence, toks: list[int], step: int, sampled: smp.Sampled, row: int,
-                spec: list[int]) -> None:
+    def _append(self, seq: Sequence, toks, step: int, sampled: smp.Sampled, row: int, spec) -> None:
+        ids, vals = self.topk[seq.id]
         for i, tok in enumerate(toks):
             if seq.finished:
                 break
             pos = len(seq.tokens)
             seq.tokens.append(int(tok))
             ev = smp.token_event(step, seq.id, pos, tok, spec[i], sampled, row + i, sampling=seq.request.sampling)
-            self.topk[seq.id][0].append(ev.topk_ids)
-            self.topk[seq.id][1].append(ev.topk_logits)
+            ids.append(ev.topk_ids)
+            vals.append(ev.topk_logits)
             self.e._emit("on_token", ev)
             if self.e.stop_at_eos and tok in self.e.eos_ids:
                 seq.finished, seq.finish_reason = True, "eos"

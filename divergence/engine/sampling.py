@@ -11,6 +11,7 @@ purpose): a request's samples never depend on its batch, its step, or call order
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -180,12 +181,20 @@ class Sampled:
     def prob_of(self, row: int, token: int, sampling: Sampling | None) -> float:
         """A token's probability: under the request's sampler where the row samples, else
         the plain softmax (what logprobs report); NaN where the host cannot tell."""
-        if sampling is not None and not sampling.greedy and row in self.full:
-            return float(probs(self.full[row], sampling)[token])
+        return self.stats_of(row, token, sampling)[1]
+
+    def stats_of(self, row: int, token: int, sampling: Sampling | None) -> tuple[float, float]:
+        """(logit_of, prob_of) of a token, the logit looked up once (a committed token's
+        event takes both: ~1.5 us a token less than the two calls with numpy scalars)."""
         logit = self.logit_of(row, token)
-        if self.lse is None or not np.isfinite(logit):
-            return float("nan")
-        return float(np.exp(np.float64(logit) - np.float64(self.lse[row])))
+        if sampling is not None and not sampling.greedy and row in self.full:
+            return logit, float(probs(self.full[row], sampling)[token])
+        if self.lse is None or not math.isfinite(logit):
+            return logit, float("nan")
+        # float64 of both float32 values, their difference and numpy's exp of it: the bits
+        # np.exp(np.float64(logit) - np.float64(lse)) gives (the same ufunc loop on one
+        # float64), with no numpy scalars made on the way
+        return logit, float(np.exp(logit - float(self.lse[row])))
 
     def logits(self, row: int) -> np.ndarray:
         """The full float32 logits of a row that samples."""
@@ -257,8 +266,10 @@ def token_event(step: int, request_id: str, position: int, token: int, spec: int
                 row: int, *, sampling: Sampling | None = None) -> TokenEvent:
     """The event of a committed token, with its logit row's top-k, its own logit and its
     probability (one place for engine and replay)."""
-    return TokenEvent(step, request_id, position, int(token), spec, sampled.top_ids[row], sampled.top_vals[row],
-                      logit=sampled.logit_of(row, int(token)), prob=sampled.prob_of(row, int(token), sampling))
+    token = int(token)
+    logit, prob = sampled.stats_of(row, token, sampling)
+    return TokenEvent(step, request_id, position, token, spec, sampled.top_ids[row], sampled.top_vals[row],
+                      logit=logit, prob=prob)
 
 
 def uniform(sampling: Sampling, position: int, purpose: int = PURPOSE_SAMPLE) -> float:

@@ -69,6 +69,26 @@ def test_full_logits_only_for_sampling_rows():
     np.testing.assert_array_equal(s.logits(3), np.array(logits[3]))
 
 
+def test_token_probability_is_numpys_float64_exp_of_the_difference():
+    """A committed token's probability (stats_of) is np.exp(np.float64(logit) -
+    np.float64(lse)), the expression traces were written with, bit for bit: large and tiny
+    differences, exact zeros, an -inf logit (NaN) and a NaN lse."""
+    rng = np.random.default_rng(7)
+    R = 4096
+    chosen = (rng.normal(size=R) * 30).astype(np.float32)
+    lse = (chosen + np.abs(rng.normal(size=R)).astype(np.float32) * rng.choice([1e-6, 1e-2, 1, 40], R)).astype(np.float32)
+    lse[:8] = chosen[:8]
+    chosen[8], lse[9] = -np.inf, np.nan
+    s = smp.Sampled(np.arange(R), chosen=chosen, lse=lse)
+    greedy = Sampling()
+    for r in range(R):
+        logit, prob = s.stats_of(r, r, greedy)
+        assert logit == float(chosen[r]) or (np.isnan(logit) and np.isnan(chosen[r]))
+        want = float(np.exp(np.float64(chosen[r]) - np.float64(lse[r]))) if np.isfinite(chosen[r]) else float("nan")
+        assert np.float64(prob).tobytes() == np.float64(want).tobytes(), (r, chosen[r], lse[r])
+        assert s.prob_of(r, r, greedy) == prob or np.isnan(prob)
+
+
 class _Events(Observer):
     wants_kv_hashes = wants_kernels = True
 
