@@ -114,5 +114,11 @@ step hp2_engine8.txt 100 $SPY2 -o $R/hp2_engine8.raw -- $HP2 --side engine --bat
 step hp2_engine64.txt 100 $SPY2 -o $R/hp2_engine64.raw -- $HP2 --side engine --batch 64
 step hp2_mlxlm64.txt 100 $SPY2 -o $R/hp2_mlxlm64.raw -- $HP2 --side mlxlm --batch 64
 step hp2_summary.txt 10 python3 bench/host_profile.py --summarize $R/hp2_engine8.raw $R/hp2_engine64.raw $R/hp2_mlxlm64.raw --top 45
+# round 9, the final tree (the commit path's stats_of): B=1 bit for bit, then the goal's own metric,
+# aggregate decode vs BatchGenerator at B = 1, 8, 32, 64, bf16 and 4-bit:
+#   ONLY="env.txt r9_pytest_b1.txt r9_engine_bf16.txt r9_engine_4bit.txt"
+step r9_pytest_b1.txt 150 python3 -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k b1_native_is_generate_step_bit_for_bit
+step r9_engine_bf16.txt 150 python3 bench/bench_engine.py --models qwen0.5b --dtypes stored --batches 1,8,32,64 --reps 5 --model-cache $MC --out $R/engine_bf16.json
+step r9_engine_4bit.txt 150 python3 bench/bench_engine.py --models qwen0.5b-4bit --dtypes stored --batches 1,8,32,64 --reps 5 --model-cache $MC --out $R/engine_4bit.json
 ls -la $R
 tar czf $OUT/results.tgz -C $R . && ls -la $OUT
