@@ -178,14 +178,11 @@ class Sampled:
     full: dict[int, np.ndarray] = field(default_factory=dict)  # row -> float32 [vocab]
     lse: np.ndarray | None = None  # [R] float32 logsumexp per row
 
-    def prob_of(self, row: int, token: int, sampling: Sampling | None) -> float:
-        """A token's probability: under the request's sampler where the row samples, else
-        the plain softmax (what logprobs report); NaN where the host cannot tell."""
-        return self.stats_of(row, token, sampling)[1]
-
     def stats_of(self, row: int, token: int, sampling: Sampling | None) -> tuple[float, float]:
-        """(logit_of, prob_of) of a token, the logit looked up once (a committed token's
-        event takes both: ~1.5 us a token less than the two calls with numpy scalars)."""
+        """A token's (logit_of, probability): the probability under the request's sampler
+        where the row samples, else the plain softmax (what logprobs report); NaN where the
+        host cannot tell. One lookup of the logit for both (a committed token's event takes
+        both: ~1.5 us a token less than two calls with numpy scalars)."""
         logit = self.logit_of(row, token)
         if sampling is not None and not sampling.greedy and row in self.full:
             return logit, float(probs(self.full[row], sampling)[token])
