@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.rules import at_least_one, schedules as parse_schedules
@@ -56,19 +57,59 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     # (lazy: the parser imports every command; numpy, h5py, the BLAS and MLX load only to run one)
-    from ..analysis.diff import diff_traces
-    from ..engine.kernels.blas import blas_problem
-    from ..engine.kernels.dispatch import KernelPolicy
-    from ..trace.reader import Trace
-    from ..workloads.runner import RunConfig, load_models, run_schedules
+    from ..engine.kernels import blas
+    from ..workloads.runner import load_models, make_engine, run_schedules, validate
 
-    if blas_problem():  # DIVERGENCE_BLAS names nothing loadable: say so, don't run on another BLAS
-        raise DivergenceInputError(blas_problem())
+    if blas.blas_problem():  # DIVERGENCE_BLAS names nothing loadable: say so, don't run on another BLAS
+        raise DivergenceInputError(blas.blas_problem())
+    plan = plan_run(args)
+    target, draft = load_models(plan.cfg)
+    requests = load_requests(args, target.encode, plan.sampling)
+    engine = make_engine(plan.cfg)
+    validate(engine, requests)  # before anything is written; run_schedules takes the checked engine
+    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
+    say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
+        + (f", draft {draft.path}, spec k={plan.spec_k}" if draft else "") + f", policy {plan.policy}")
+    blas_threads = check_blas_request(args, blas)
+    describe_setup(say, blas, blas_threads, plan)
+    out = Path(args.out)
+    with blas.using_blas_threads(blas_threads):
+        results = run_schedules(plan.cfg, target, draft, requests, plan.schedules, out, progress=not args.json,
+                                engine=engine)
+    if not is_writer():
+        return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
+    paths = {s: str(out / f"{s}.h5") for s in plan.schedules}
+    diffs = diff_schedules(paths, plan.schedules)
+    identical = all(d.identical for d in diffs.values())
+    if args.json:
+        emit_json(json_report(plan, requests, results, paths, diffs, identical))
+    else:
+        print_report(plan.schedules, results, paths, diffs)
+    # the run did its job, diverged or not (the divergence is what it found); --check gates CI on it
+    return 1 if args.check and not identical else 0
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What the command line asks for, checked, before any model loads."""
+    cfg: object  # workloads.runner.RunConfig
+    schedules: list
+    policy: str
+    spec_k: int
+    demo_policy: bool  # the demo (no --model) on its own kernel policy (no --policy)
+    sampling: dict  # the sampling defaults of prompt lines that set none
+
+
+def plan_run(args) -> RunPlan:
+    """Check the flags (the output directory once, here) and build the run config."""
+    from ..engine.kernels.dispatch import KernelPolicy  # (lazy: loads MLX)
+    from ..workloads.runner import RunConfig
+
     demo = args.model is None
     schedules = parse_schedules(args.schedules)
-
     check_output_dir(args.out, files=[f"{s}.h5" for s in schedules], inputs=[args.prompts] if args.prompts else ())
-    policy = args.policy or (DEMO_POLICY if demo and args.policy is None else "native")
+    demo_policy = demo and args.policy is None
+    policy = args.policy or (DEMO_POLICY if demo_policy else "native")
     KernelPolicy.parse(policy)
     spec_k = args.spec_k if args.spec_k is not None else (DEMO_SPEC_K if demo else 0)
     at_least_one("--top-k", args.top_k)
@@ -78,67 +119,66 @@ def main(args) -> int:
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
-                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes, prefill=args.prefill,
-                    stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo),
+                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
+                    prefill=args.prefill, stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo),
                     tp=tp_degree(args))
-    target, draft = load_models(cfg)
+    return RunPlan(cfg=cfg, schedules=schedules, policy=policy, spec_k=spec_k,
+                   demo_policy=demo_policy, sampling=sampling)
+
+
+def load_requests(args, encode, sampling) -> list:
+    """--prompts, or the built-in set."""
     if args.prompts:
-        requests = load_prompts(args.prompts, target.encode, max_tokens=args.max_tokens, sampling=sampling)
-    else:
-        requests = builtin_requests(target.encode, max_tokens=args.max_tokens, sampling=sampling)
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise PromptError(f"--out {out} exists and is not a directory")
-    from ..workloads.runner import make_engine, validate  # (lazy: loads numpy and h5py)
+        return load_prompts(args.prompts, encode, max_tokens=args.max_tokens, sampling=sampling)
+    return builtin_requests(encode, max_tokens=args.max_tokens, sampling=sampling)
 
-    engine = make_engine(cfg)
-    validate(engine, requests)  # before anything is written; run_schedules takes the checked engine
-    say = (lambda *a: None) if args.json else (lambda *a: print(*a, file=sys.stderr))
-    from ..engine.kernels.blas import blas_in_use, blas_threads as blas_threads_now  # (lazy: loads the BLAS)
 
-    say(f"model {target.path} ({target.config.get('model_type')}, {target.dtype})"
-        + (f", draft {draft.path}, spec k={spec_k}" if draft else "") + f", policy {policy}")
-    blas_threads = check_blas_request(args)
-    from ..engine.kernels.blas import blas_core  # (lazy: loads the BLAS)
-
-    core = blas_core()
-    say(f"BLAS: {blas_in_use()}" + (f", core {core}, {blas_threads or blas_threads_now()} threads" if core else ""))
-    if cfg.tp > 1:
+def describe_setup(say, blas, blas_threads: int | None, plan: RunPlan) -> None:
+    """The BLAS, the tensor-parallel group and the demo's kernel policy, on stderr."""
+    core = blas.blas_core()
+    say(f"BLAS: {blas.blas_in_use()}" + (f", core {core}, {blas_threads or blas.blas_threads()} threads"
+                                          if core else ""))
+    if plan.cfg.tp > 1:
         from ..parallel.group import current  # (lazy: loads MLX)
 
         t = current()
         say(f"tensor parallel: {t.size} ranks over {t.backend} ({t.launcher}); rank 0 writes the traces")
-    if demo and args.policy is None:
+    if plan.demo_policy:
         say("demo: threshold:4 (rows <= 4 -> gemv, else split-K gemm) emulates a GPU's shape-dependent GEMM "
             "on a CPU whose own kernels are batch-invariant")
-    from ..engine.kernels.blas import using_blas_threads  # (lazy: loads the BLAS)
 
-    with using_blas_threads(blas_threads):
-        results = run_schedules(cfg, target, draft, requests, schedules, out, progress=not args.json,
-                                engine=engine)
-    if not is_writer():
-        return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
-    paths = {s: str(out / f"{s}.h5") for s in schedules}
+
+def diff_schedules(paths: dict, schedules: list) -> dict:
+    """{schedule: TraceDiff} of each schedule after the first against the first."""
+    from ..analysis.diff import diff_traces  # (lazy: loads numpy)
+    from ..trace.reader import Trace  # (lazy: loads h5py)
+
     diffs = {}
     base = schedules[0]
     for s in schedules[1:]:
         with Trace.open(paths[base]) as a, Trace.open(paths[s]) as b:
             diffs[s] = diff_traces(a, b)
-    identical = all(d.identical for d in diffs.values())
-    if args.json:
-        emit_json({
-            "traces": paths,
-            "identical": identical,
-            "policy": policy,
-            "spec_k": spec_k,
-            "requests": [
-                {"id": r.id, "tokens": {s: results[s].outputs[r.id].tokens for s in schedules},
-                 "text": {s: results[s].outputs[r.id].text for s in schedules},
-                 "acceptance_rate": {s: results[s].outputs[r.id].acceptance_rate for s in schedules}}
-                for r in requests],
-            "diff": {s: d.to_json() for s, d in diffs.items()},
-        })
-        return 1 if args.check and not identical else 0
+    return diffs
+
+
+def json_report(plan: RunPlan, requests, results, paths, diffs, identical: bool) -> dict:
+    schedules = plan.schedules
+    return {
+        "traces": paths,
+        "identical": identical,
+        "policy": plan.policy,
+        "spec_k": plan.spec_k,
+        "requests": [
+            {"id": r.id, "tokens": {s: results[s].outputs[r.id].tokens for s in schedules},
+             "text": {s: results[s].outputs[r.id].text for s in schedules},
+             "acceptance_rate": {s: results[s].outputs[r.id].acceptance_rate for s in schedules}}
+            for r in requests],
+        "diff": {s: d.to_json() for s, d in diffs.items()},
+    }
+
+
+def print_report(schedules, results, paths, diffs) -> None:
+    base = schedules[0]
     for s in schedules:
         r = results[s]
         rates = [o.acceptance_rate for o in r.outputs.values() if o.acceptance_rate is not None]
@@ -154,20 +194,17 @@ def main(args) -> int:
             if x.first_divergent_token else f"{x.id} ({x.status})" for x in d.diverged)
         print(f"{base} vs {s}: diverged: {where}")
         print(f"next: divergence bisect {paths[base]} {paths[s]} --confirm")
-    # the run did its job, diverged or not (the divergence is what it found); --check gates CI on it
-    return 1 if args.check and not identical else 0
 
 
-def check_blas_request(args) -> int | None:
+def check_blas_request(args, blas) -> int | None:
     """--blas-core / --blas-threads, once the BLAS has loaded (cli/reexec.py set the core
-    before it did): the core OpenBLAS runs must be the one asked for. The thread count."""
-    from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads  # (lazy: loads the BLAS)
-
-    if (args.blas_core or args.blas_threads) and blas_threads() is None:
-        raise PromptError(f"--blas-core / --blas-threads set OpenBLAS, and this run uses {blas_in_use()}")
-    if args.blas_core and (blas_core() or "").lower() != args.blas_core.lower():
-        raise PromptError(f"--blas-core {args.blas_core}: OpenBLAS runs core {blas_core()} (a DYNAMIC_ARCH build "
-                          f"takes OPENBLAS_CORETYPE; this one did not)")
+    before it did): the core OpenBLAS runs must be the one asked for. The thread count.
+    blas: the module engine.kernels.blas (imported lazily by main: importing it loads the BLAS)."""
+    if (args.blas_core or args.blas_threads) and blas.blas_threads() is None:
+        raise PromptError(f"--blas-core / --blas-threads set OpenBLAS, and this run uses {blas.blas_in_use()}")
+    if args.blas_core and (blas.blas_core() or "").lower() != args.blas_core.lower():
+        raise PromptError(f"--blas-core {args.blas_core}: OpenBLAS runs core {blas.blas_core()} (a DYNAMIC_ARCH "
+                          f"build takes OPENBLAS_CORETYPE; this one did not)")
     if args.blas_threads is not None:
         at_least_one("--blas-threads", args.blas_threads)
     return args.blas_threads
