@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.rules import at_least_one, schedules as parse_schedules
+from ..core.settings import DEFAULT_TOKEN_BUDGET, DEFAULT_TOP_K
 from ..errors import DivergenceInputError, PromptError
 from ..parallel.env import is_writer
 from ..parallel.ranks import tp_degree
 from ..workloads.prompts import builtin_requests, load_prompts, sampling_defaults
 from .common import add_model_args, default_model_dirs, emit_json
-from .paths import check_output_dir
+from .paths import check_output_dir, remember_outputs
 
 HELP = "run requests under serial and concurrent schedules and record a trace of each"
 DEMO_POLICY = "threshold:4"
@@ -26,8 +27,8 @@ def add_arguments(p) -> None:
                    "(default: native with --model; threshold:4 in the demo)")
     p.add_argument("--spec-k", type=int, help="draft tokens per verify (0 = off; demo default 3)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: per request, or 64)")
-    p.add_argument("--token-budget", type=int, default=256, help="rows per engine step (concurrent)")
-    p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token")
+    p.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="rows per engine step (concurrent)")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="top-k logits recorded per token")
     p.add_argument("--temperature", type=float, metavar="T", help="sampling temperature of every request whose "
                    "prompt line sets none (default: 0, greedy)")
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus top-p, 0 < P <= 1, of every request whose "
@@ -49,7 +50,8 @@ def add_arguments(p) -> None:
     p.add_argument("--blas-threads", type=int, metavar="N", help="run OpenBLAS on N threads (default: its own "
                    "count); the count changes fp32 bits on some cores")
     p.add_argument("--out", metavar="DIR", default="traces", help="a directory: one SCHEDULE.h5 trace per "
-                   "schedule goes there (default ./traces)")
+                   "schedule goes there (default ./traces); an existing SCHEDULE.h5 is replaced only if it is "
+                   "run's own earlier output, unchanged since: never a trace run did not write there")
     p.add_argument("--json", action="store_true", help="print a JSON report")
     p.add_argument("--check", action="store_true", help="exit 1 when the schedules diverge (for CI; without it "
                    "a run that recorded its traces exits 0, diverged or not)")
@@ -79,6 +81,7 @@ def main(args) -> int:
     if not is_writer():
         return 0  # tensor parallel: ranks other than 0 compute along, rank 0 writes and reports
     paths = {s: str(out / f"{s}.h5") for s in plan.schedules}
+    remember_outputs(paths.values(), command="run")  # its next run may replace them
     diffs = diff_schedules(paths, plan.schedules)
     identical = all(d.identical for d in diffs.values())
     if args.json:
@@ -107,7 +110,8 @@ def plan_run(args) -> RunPlan:
 
     demo = args.model is None
     schedules = parse_schedules(args.schedules)
-    check_output_dir(args.out, files=[f"{s}.h5" for s in schedules], inputs=[args.prompts] if args.prompts else ())
+    check_output_dir(args.out, files=[f"{s}.h5" for s in schedules], inputs=[args.prompts] if args.prompts else (),
+                     command="run")
     demo_policy = demo and args.policy is None
     policy = args.policy or (DEMO_POLICY if demo_policy else "native")
     KernelPolicy.parse(policy)
@@ -119,7 +123,7 @@ def plan_run(args) -> RunPlan:
     target_dir, draft_dir = default_model_dirs()
     cfg = RunConfig(model=args.model or target_dir, draft=args.draft or (draft_dir if spec_k else None),
                     dtype=args.dtype, policy=policy, spec_k=spec_k, token_budget=args.token_budget,
-                    top_k=args.top_k, prefix_cache=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
+                    top_k=args.top_k, prefix_caching=args.prefix_cache, kv_hashes=not args.no_kv_hashes,
                     prefill=args.prefill, stop_at_eos=not (args.ignore_eos if args.ignore_eos is not None else demo),
                     tp=tp_degree(args))
     return RunPlan(cfg=cfg, schedules=schedules, policy=policy, spec_k=spec_k,

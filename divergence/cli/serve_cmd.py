@@ -1,6 +1,7 @@
 """`divergence serve`: an OpenAI-compatible HTTP server on this engine, every step recorded."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -8,11 +9,14 @@ import threading
 from pathlib import Path
 
 from ..core.names import LOGPROBS
+from ..core.settings import DEFAULT_TOKEN_BUDGET, DEFAULT_TOP_K
 from ..errors import PromptError
+from ..serve.guard import API_KEY_ENV, check_api_key
 from .common import add_model_args, default_model_dirs
 from .paths import check_output_dir
 
 ENGINES = ("divergence", "mlx-lm")
+DEFAULT_MAX_CONNECTIONS = 256
 HELP = ("serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models) on this engine, "
         "recording every step of the real traffic into a trace")
 
@@ -30,8 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--spec-adaptive", action="store_true", help="each round, propose as many draft tokens, 0 to "
                    "--spec-k, as give the most tokens per second (measured per length as it serves; default: "
                    "--spec-k every round, so the trace shows every speculative round)")
-    p.add_argument("--token-budget", type=int, default=256, help="rows per engine step")
-    p.add_argument("--top-k", type=int, default=8, help="top-k logits recorded per token (the most "
+    p.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="rows per engine step")
+    p.add_argument("--top-k", type=int, default=DEFAULT_TOP_K, help="top-k logits recorded per token (the most "
                    "top_logprobs a request may ask for)")
     p.add_argument("--kv-blocks", type=int, default=2048, help="KV-cache blocks (of 16 positions) per model: "
                    "what running requests hold at once; a request needing more than all is refused (400), one "
@@ -42,6 +46,15 @@ def add_arguments(p) -> None:
                    "this large (the running requests finish in it first)")
     p.add_argument("--rotate-minutes", type=float, metavar="MIN", help="start a new trace after this long")
     p.add_argument("--no-kv-hashes", action="store_true", help="don't record KV-write hashes")
+    p.add_argument("--api-key", metavar="KEY", help="require the header 'Authorization: Bearer KEY' on every "
+                   "route but /health (401 without it), as vLLM's --api-key (default: the environment variable "
+                   f"{API_KEY_ENV}, which keeps the key out of the process list; unset: no key)")
+    p.add_argument("--max-body-bytes", type=int, metavar="N", help="the largest request body taken (413 past it: "
+                   "counted as it arrives, never held past N; default: 4 MiB, or 8 bytes per token of the model's context where "
+                   "that is more)")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N", help="connections "
+                   "served at once; a request arriving while N are open is answered 503 (uvicorn's "
+                   "limit_concurrency)")
     p.add_argument("--engine", choices=ENGINES, default="divergence", help="what generates: this engine, or "
                    "mlx-lm's own BatchGenerator (mlx_lm.server's engine) through the recording adapter, so the "
                    "live trace is of mlx-lm's engine (no draft, native kernels; --kv-blocks, --token-budget and "
@@ -53,9 +66,11 @@ def main(args) -> int:
 
     KernelPolicy.parse(args.policy)
     for flag, v, lo in (("--port", args.port, 0), ("--kv-blocks", args.kv_blocks, 1), ("--top-k", args.top_k, 1),
-                        ("--token-budget", args.token_budget, 1)):
-        if v < lo:
+                        ("--token-budget", args.token_budget, 1), ("--max-body-bytes", args.max_body_bytes, 1),
+                        ("--max-connections", args.max_connections, 1)):
+        if v is not None and v < lo:
             raise PromptError(f"{flag} must be >= {lo}, got {v}")
+    api_key(args)  # a bad key: one line, before the model loads
     for flag, v in (("--rotate-mb", args.rotate_mb), ("--rotate-minutes", args.rotate_minutes)):
         if v is not None and v <= 0:
             raise PromptError(f"{flag} must be > 0, got {v}")
@@ -74,7 +89,7 @@ def main(args) -> int:
     mlxlm = args.engine == "mlx-lm"
     cfg = RunConfig(model=args.model or target_dir, draft=(args.draft or draft_dir) if spec_k else None,
                     dtype=args.dtype, policy=args.policy, spec_k=spec_k, token_budget=args.token_budget,
-                    top_k=args.top_k, prefix_cache=args.prefix_cache, stop_at_eos=not args.ignore_eos)
+                    top_k=args.top_k, prefix_caching=args.prefix_cache, stop_at_eos=not args.ignore_eos)
     settings = cfg.settings()
     if mlxlm:  # the engine over the model answers the HTTP side's questions; mlx-lm generates
         settings["topk_values"] = LOGPROBS
@@ -83,6 +98,19 @@ def main(args) -> int:
     if engine.top_k > engine.vocab:
         raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({engine.vocab} tokens)")
     return serve(engine, args, model_id=args.model_name or Path(cfg.model).resolve().name)
+
+
+def api_key(args) -> str | None:
+    """--api-key, else $DIVERGENCE_API_KEY, else None; a key no header can carry is refused."""
+    key, flag = getattr(args, "api_key", None), "--api-key"
+    if key is None:
+        key, flag = os.environ.get(API_KEY_ENV), API_KEY_ENV
+    if key is None:
+        return None
+    why = check_api_key(key)
+    if why:
+        raise PromptError(f"{flag}: {why}")
+    return key
 
 
 def serve(engine, args, *, model_id: str) -> int:
@@ -127,8 +155,14 @@ def serve(engine, args, *, model_id: str) -> int:
     # The engine runs on this (main) thread, the HTTP server on its own: MLX aborts the process
     # at exit after streams ran on another thread. SIGTERM / Ctrl-C: uvicorn finishes the
     # responses in flight (the engine still stepping), then the engine drains and the trace closes.
-    http = uvicorn.Server(uvicorn.Config(server.app(), log_level="warning", timeout_graceful_shutdown=60,
-                                         lifespan="off"))
+    key = api_key(args)
+    app = server.app(api_key=key, max_body_bytes=getattr(args, "max_body_bytes", None))
+    if key is not None:
+        print("divergence serve: requests need 'Authorization: Bearer KEY' (all but /health)", file=sys.stderr)
+    print(f"divergence serve: request bodies up to {app.max_body_bytes} bytes, "
+          f"{getattr(args, 'max_connections', DEFAULT_MAX_CONNECTIONS)} connections at once", file=sys.stderr)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60, lifespan="off",
+                                         limit_concurrency=getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS)))
 
     def http_thread() -> None:
         try:
@@ -147,6 +181,7 @@ def serve(engine, args, *, model_id: str) -> int:
     finally:
         http.should_exit = True
         t.join(70)
+        server.close()
         for sig, handler in before.items():
             signal.signal(sig, handler)
     for path in worker.traces:

@@ -7,14 +7,19 @@ from dataclasses import asdict, dataclass, fields
 
 from .names import LOGITS
 
+# the defaults every front end takes from here (Engine, RunConfig, run's and serve's flags)
+DEFAULT_TOKEN_BUDGET = 256  # rows per engine step
+DEFAULT_TOP_K = 8  # top-k logits recorded per token
+DEFAULT_BLOCK_SIZE = 16  # KV positions per cache block
+
 
 @dataclass(frozen=True)
 class EngineSettings:
     policy: str = "native"
-    token_budget: int = 256
+    token_budget: int = DEFAULT_TOKEN_BUDGET
     spec_k: int = 0
-    top_k: int = 8
-    block_size: int = 16
+    top_k: int = DEFAULT_TOP_K
+    block_size: int = DEFAULT_BLOCK_SIZE
     prefix_caching: bool = False
     stop_at_eos: bool = True
     prefill: str = "whole"  # where the prompt's last token is computed (engine.sched.scheduler.PREFILL_LAYOUTS)

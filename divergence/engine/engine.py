@@ -13,7 +13,7 @@ from ..core.events import Observer
 from ..core.names import LOGITS, TOPK_VALUES
 from ..core.request import Request
 from ..core.rules import at_least_one, check_schedule
-from ..core.settings import ENGINE_KEYS, EngineSettings
+from ..core.settings import DEFAULT_BLOCK_SIZE, DEFAULT_TOKEN_BUDGET, DEFAULT_TOP_K, ENGINE_KEYS, EngineSettings
 from ..errors import PromptError, ReplayError
 from .kernels.dispatch import KernelPolicy
 from .kernels.environment import environment
@@ -35,10 +35,10 @@ class Engine:
         draft: LoadedModel | None = None,
         *,
         policy="native",
-        token_budget: int = 256,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
         spec_k: int = 0,
-        top_k: int = 8,
-        block_size: int = 16,
+        top_k: int = DEFAULT_TOP_K,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         num_blocks: int | None = None,
         prefix_caching: bool = False,
         stop_at_eos: bool = True,

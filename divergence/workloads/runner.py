@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.events import Observer
-from ..core.settings import EngineSettings
+from ..core.settings import DEFAULT_TOKEN_BUDGET, DEFAULT_TOP_K, EngineSettings
 from ..errors import DivergenceInputError, PromptError, TraceError
 from ..trace.writer import TraceWriter
 
@@ -22,9 +22,9 @@ class RunConfig:
     dtype: str | None = None
     policy: str = "native"
     spec_k: int = 0
-    token_budget: int = 256
-    top_k: int = 8
-    prefix_cache: bool = False
+    token_budget: int = DEFAULT_TOKEN_BUDGET
+    top_k: int = DEFAULT_TOP_K
+    prefix_caching: bool = False
     kv_hashes: bool = True
     stop_at_eos: bool = True
     tp: int = 1  # tensor-parallel degree: > 1 runs inside this process's group (divergence.parallel)
@@ -33,7 +33,7 @@ class RunConfig:
     def settings(self) -> dict:
         """The engine settings, as a trace records them (Engine.from_settings reads them)."""
         return EngineSettings(policy=self.policy, token_budget=self.token_budget, spec_k=self.spec_k,
-                              top_k=self.top_k, prefix_caching=self.prefix_cache, stop_at_eos=self.stop_at_eos,
+                              top_k=self.top_k, prefix_caching=self.prefix_caching, stop_at_eos=self.stop_at_eos,
                               prefill=self.prefill, dtype=self.dtype).to_dict()
 
 

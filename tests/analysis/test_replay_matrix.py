@@ -79,7 +79,7 @@ def _run_cell(c, root):
 
     p, w, prefix, spec, sampled = c
     cfg = RunConfig(model=_model(WEIGHTS[w], root), draft=DRAFT if spec else None, policy=POLICIES[p],
-                    spec_k=3 if spec else 0, token_budget=128, top_k=4, prefix_cache=bool(prefix), stop_at_eos=False)
+                    spec_k=3 if spec else 0, token_budget=128, top_k=4, prefix_caching=bool(prefix), stop_at_eos=False)
     target, draft = load_models(cfg)
     reqs = [Request(f"r{i}", tuple(target.encode(PREAMBLE + t)), max_tokens=MAX_TOKENS, arrival=2 * i,
                     sampling=Sampling(0.8, 0.95, 1000 + i) if sampled else Sampling())
