@@ -53,8 +53,7 @@ def add_arguments(p) -> None:
                    "counted as it arrives, never held past N; default: 4 MiB, or 8 bytes per token of the model's context where "
                    "that is more)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N", help="connections "
-                   "served at once; a request arriving while N are open is answered 503 (uvicorn's "
-                   "limit_concurrency)")
+                   "served at once; a request on one more is answered 503")
     p.add_argument("--engine", choices=ENGINES, default="divergence", help="what generates: this engine, or "
                    "mlx-lm's own BatchGenerator (mlx_lm.server's engine) through the recording adapter, so the "
                    "live trace is of mlx-lm's engine (no draft, native kernels; --kv-blocks, --token-budget and "
@@ -159,10 +158,12 @@ def serve(engine, args, *, model_id: str) -> int:
     app = server.app(api_key=key, max_body_bytes=getattr(args, "max_body_bytes", None))
     if key is not None:
         print("divergence serve: requests need 'Authorization: Bearer KEY' (all but /health)", file=sys.stderr)
-    print(f"divergence serve: request bodies up to {app.max_body_bytes} bytes, "
-          f"{getattr(args, 'max_connections', DEFAULT_MAX_CONNECTIONS)} connections at once", file=sys.stderr)
+    connections = getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS)
+    print(f"divergence serve: request bodies up to {app.max_body_bytes} bytes, {connections} connections at once",
+          file=sys.stderr)
+    # uvicorn answers 503 once `limit_concurrency` connections are open, the request's own counted
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=60, lifespan="off",
-                                         limit_concurrency=getattr(args, "max_connections", DEFAULT_MAX_CONNECTIONS)))
+                                         limit_concurrency=connections + 1))
 
     def http_thread() -> None:
         try:

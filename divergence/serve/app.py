@@ -5,12 +5,14 @@ A handler validates and tokenises the request, submits it to the engine thread a
 its results on an asyncio queue the engine thread fills (loop.call_soon_threadsafe): the
 loop never waits for a step. A client that goes away cancels its request. Each response
 names its request's id in the trace (`id`, and the X-Divergence-Request-Id header) and the
-trace file (X-Divergence-Trace).
+trace file (X-Divergence-Trace). Tokenising runs on a thread of its own, so that a long
+prompt never holds the loop (nor /v1/models); guard.py checks the key and bounds the body.
 """
 from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import json
 import time
 
@@ -21,6 +23,7 @@ from starlette.routing import Route
 
 from ..core.names import LOGPROBS
 from ..core.request import Request
+from .guard import ApiKey, Guard, default_max_body_bytes
 from .live import CANCELLED, STOP, LiveRequest, Sink
 from .openai_schema import CHAT, COMPLETION, DEFAULT_MAX_TOKENS, ApiError, Parsed, parse
 from .text import Detokenizer, chat_prompt, token_logprobs
@@ -101,6 +104,12 @@ class Server:
         self.created = int(time.time())
         self._ids = itertools.count(1)
         self.pieces = engine.vocab_pieces()
+        # one thread: the tokenizer is used by one request at a time, as on the loop before
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="divergence-tokenize")
+
+    def close(self) -> None:
+        """End the tokenizing thread (a thread left waiting would hold the process's exit)."""
+        self._tokenizing.shutdown(wait=True, cancel_futures=True)
 
     def piece(self, token: int) -> str:
         return self.pieces[token] if 0 <= token < len(self.pieces) else ""
@@ -141,7 +150,7 @@ class Server:
         except (ValueError, UnicodeDecodeError) as e:
             raise ApiError(f"the body is not valid JSON ({e})", code="invalid_json") from None
         p = parse(body, kind, model_ids=(self.model_id,), top_k=self.engine.top_k)
-        tokens, max_tokens = self.prepare(p)
+        tokens, max_tokens = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prepare, p)
         rid = self.next_id(kind)
         sink = QueueSink(asyncio.get_running_loop())
         lr = LiveRequest(rid, tuple(tokens), max_tokens, p.sampling, sink,
@@ -261,7 +270,13 @@ class Server:
                 self.worker.cancel(gen.id, CANCELLED)
 
     # -- the app --------------------------------------------------------------------------------
-    def app(self) -> Starlette:
+    def app(self, *, api_key: str | None = None, max_body_bytes: int | None = None) -> Guard:
+        """The ASGI app. api_key: required on every route but /health (None: none);
+        max_body_bytes: the largest request body (None: default_max_body_bytes)."""
+        key = ApiKey(api_key)
+        if max_body_bytes is None:
+            max_body_bytes = default_max_body_bytes(self.engine.target.context_length)
+
         async def completions(http):
             return await self._guard(self.generate(http, COMPLETION))
 
@@ -272,17 +287,18 @@ class Server:
             return JSONResponse({"object": "list", "data": [
                 {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "divergence"}]})
 
-        async def health(http):  # ready once the engine has its trace open
+        async def health(http):  # ready once the engine has its trace open; its path only to a client with the key
             trace = self.worker.current_trace
-            return JSONResponse({"status": "ok" if trace else "starting", "trace": str(trace) if trace else None},
+            shown = str(trace) if trace and key.authorized(http.scope) else None
+            return JSONResponse({"status": "ok" if trace else "starting", "trace": shown},
                                 status_code=200 if trace else 503)
 
-        return Starlette(routes=[
+        return Guard(Starlette(routes=[
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/chat/completions", chat, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
-        ])
+        ]), key=key, max_body_bytes=max_body_bytes)
 
     @staticmethod
     async def _guard(coro):
