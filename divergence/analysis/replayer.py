@@ -32,6 +32,7 @@ from .forcing import owner_of
 from .ops import OpRows, first_op_difference
 from .replay_progress import REPLAY_PROGRESS
 from .relayout import admissions, relayout
+from .sparse import SparseWindow, plan_window
 
 
 def this_process() -> dict:
@@ -88,9 +89,10 @@ def engine_settings(trace) -> dict:
 class Replayer:
     """Replays traces; models come from the engine's one per-process cache."""
 
-    def __init__(self, *, model_dir=None, draft_dir=None):
+    def __init__(self, *, model_dir=None, draft_dir=None, sparse: bool = True):
         self.model_dir = model_dir
         self.draft_dir = draft_dir
+        self.sparse = sparse  # False: every replay runs the whole trace (the reference a test compares with)
 
     def engine_for(self, trace, *, observers=()):
         from ..engine.engine import Engine  # (lazy: loads MLX)
@@ -106,35 +108,87 @@ class Replayer:
                                     tp=group_for(trace))
 
     def run(self, trace, *, forced=None, observers=(), tap=None, stop_after: int | None = None,
-            under: dict | None = None):
+            under: dict | None = None, focus=None):
         """Replay in memory; returns the engine's RunResult. tap: an engine.replay.OpTap that
         records one step's op outputs for one request; stop_after: end after that step.
-        under: the environment to run under (another trace's recorded one; default: its own)."""
-        from ..engine.replay import TokenSite, recorded_draws, replay_plans  # (lazy: loads MLX)
+        under: the environment to run under (another trace's recorded one; default: its own).
+        focus: the requests whose bits the replay must give (None: all): only the steps they
+        need run (analysis/sparse.py), the others' rows as stand-ins, where that is known to
+        be faithful; the result's `window` says which (a SparseWindow), or `full_because` why
+        the whole trace ran."""
+        from ..engine.replay import replay_plans  # (lazy: loads MLX)
 
         check_forced(trace, forced or {})
         check_this_process(trace, under)  # another BLAS core would make every fp32 bit differ for that alone
         engine = self.engine_for(trace, observers=observers)
-        sites = []
-        for req in trace.requests:
-            t = trace.tokens(req.id)
-            sites += [TokenSite(int(st), req.id, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
-        recorded = list(trace.iter_plans())
-        forced = with_recorded_attention(trace, recorded, forced or {})
+        recorded = self._plans(trace)
+        window = None
+        if focus is not None and self.sparse:
+            window = plan_window(trace, recorded, focus, stop_after, forced_steps=(forced or {}).keys())
+        if isinstance(window, SparseWindow):
+            recorded = window.plans(recorded)
+            sites = self._sites(trace, window.real)
+            sites = [x for x in sites if window.first <= x.step <= window.last]
+            stand_ins = window.stand_ins
+        else:
+            sites = self._sites(trace, None)
+            stand_ins = frozenset()
+        forced = with_recorded_attention(trace, recorded, forced or {}, self._attention(trace))
         plans, sites, forced = relayout(recorded, sites, forced, trace.requests)
         # under the recording's BLAS thread count: it is part of the fp32 numerics (engine/kernels/blas.py)
         env = under if under is not None else (trace.meta.get("environment") or {})
         with using_blas_threads(env.get("blas_threads")):
-            return replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
-                                forced=forced, draws=recorded_draws(trace), tap=tap, stop_after=stop_after,
-                                admit_at=admissions(recorded, plans))
+            got = replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
+                               forced=forced, draws=self._draws(trace), tap=tap, stop_after=stop_after,
+                               admit_at=admissions(recorded, plans), stand_ins=stand_ins)
+        got.window = window if isinstance(window, SparseWindow) else None
+        got.full_because = window if isinstance(window, str) else None
+        return got
+
+    # -- what every replay of one trace reads from it, read once (a bisect replays B many times)
+    def _once(self, trace, key: str, load):
+        memo = self.__dict__.setdefault("_per_trace", {})
+        got = memo.get((id(trace), key))
+        if got is None or got[0] is not trace:
+            got = memo[(id(trace), key)] = (trace, load())
+            for k in [k for k in memo if memo[k][0] is not trace and len(memo) > 32]:
+                del memo[k]
+        return got[1]
+
+    def _plans(self, trace) -> list:
+        return self._once(trace, "plans", lambda: list(trace.iter_plans()))
+
+    def _draws(self, trace) -> dict:
+        from ..engine.replay import recorded_draws  # (lazy: loads MLX)
+
+        return self._once(trace, "draws", lambda: recorded_draws(trace))
+
+    def _attention(self, trace) -> dict:
+        return self._once(trace, "attention", lambda: recorded_attention(trace))
+
+    def _sites(self, trace, only) -> list:
+        from ..engine.replay import TokenSite  # (lazy: loads MLX)
+
+        def load(rid):
+            t = trace.tokens(rid)
+            return [TokenSite(int(st), rid, int(p), int(sp)) for st, p, sp in zip(t.steps, t.positions, t.spec)]
+
+        out = []
+        for req in trace.requests:
+            if only is None or req.id in only:
+                out += self._once(trace, f"sites:{req.id}", lambda: load(req.id))
+        return out
 
     def tap(self, trace, step: int, rid: str, *, under: dict | None = None):
         """One step's op output rows for one request (analysis.ops.OpRows), by a replay up to it."""
         from ..engine.replay import OpTap  # (lazy: loads MLX)
 
         tap = OpTap(step, rid)
-        self.run(trace, tap=tap, stop_after=step, under=under)
+        try:  # only the steps the request's rows need (analysis/sparse.py)
+            self.run(trace, tap=tap, stop_after=step, under=under, focus={rid})
+        except ValueError:  # a window the replay could not lay out: the whole trace up to the step
+            tap = OpTap(step, rid)
+            self.run(trace, tap=tap, stop_after=step, under=under)
         return OpRows(step, dict(tap.rows), tap.outputs, tap.order)
 
     def replay_to_file(self, trace, out, *, forced=None, under: dict | None = None) -> ReplayReport:
@@ -153,15 +207,21 @@ class Replayer:
             return fidelity(trace, replayed, forced or {}, result.seconds, str(out))
 
 
-def with_recorded_attention(trace, plans, forced: dict) -> dict:
-    """Every step not forced otherwise runs the attention kernel it recorded, so a replay
-    stays bit for bit the recording when the rule that picks attention kernels changes;
-    traces recorded before attention was a recorded op ran it per sequence."""
+def recorded_attention(trace) -> dict[int, str]:
+    """step -> the attention kernel the trace recorded there."""
     ks = trace.kernels()
     recorded: dict[int, str] = {}
     for step, op, kernel in zip(ks["step"], ks["op"], ks["kernel"]):
         if str(op) == ATTENTION:
             recorded.setdefault(int(step), str(kernel))
+    return recorded
+
+
+def with_recorded_attention(trace, plans, forced: dict, recorded: dict | None = None) -> dict:
+    """Every step not forced otherwise runs the attention kernel it recorded, so a replay
+    stays bit for bit the recording when the rule that picks attention kernels changes;
+    traces recorded before attention was a recorded op ran it per sequence."""
+    recorded = recorded_attention(trace) if recorded is None else recorded
     # another engine's trace records no attention kernels: a BatchGenerator trace gets its
     # calls (every slice of a step in one masked call), others the native rule
     engine = trace.meta.get("settings", {}).get("engine")

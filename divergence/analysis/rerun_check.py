@@ -90,8 +90,9 @@ def _owned(v: RunView, cells: list) -> list:
     return [c for c in cells if c[2] in computed.get(c[0], ())]
 
 
-def _first_kv_difference(b: RunView, r: RunView, before: int) -> str | None:
-    cb, cr = b.kv_cells(before), r.kv_cells(before)
+def _first_kv_difference(b: RunView, r: RunView, before: int, window=None) -> str | None:
+    since, only = (window.first, window.real) if window is not None else (0, None)
+    cb, cr = b.kv_cells(before, since=since, only=only), r.kv_cells(before, since=since, only=only)
     if cb == cr:
         return None
     cb, cr = _owned(b, cb), _owned(r, cr)
@@ -111,11 +112,13 @@ def _first_kv_difference(b: RunView, r: RunView, before: int) -> str | None:
     return f"{where} differs from B's (other K/V hashes)"
 
 
-def check_rerun(b, rerun, forced_step: int, forced) -> RerunCheck:
+def check_rerun(b, rerun, forced_step: int, forced, *, window=None) -> RerunCheck:
     """b: B's Trace; rerun: the re-run's Trace or RunRecord; forced_step: B's first forced
     step; forced: what was asked there (Split, Kernels, Relayout, AnyChange, Unchecked), or a
     dict {step: that} of every forced step (this engine's replays keep B's step indices: each
-    is checked). Returns RerunCheck(valid, first_difference, did)."""
+    is checked). window: a sparse replay's (analysis/sparse.py): (1) holds on the steps it
+    ran, and the K/V compared are those of the requests it gives exactly (its stand-ins'
+    values are not B's by design). Returns RerunCheck(valid, first_difference, did)."""
     rv, bv = (rerun if isinstance(rerun, RunView) else RunView(rerun)), view(b)
     steps = forced if isinstance(forced, dict) else {forced_step: forced}
     first = min(steps) if steps else (forced_step if forced_step is not None else max(bv.plans, default=-1) + 1)
@@ -127,8 +130,9 @@ def check_rerun(b, rerun, forced_step: int, forced) -> RerunCheck:
     if rv.schedule != bv.schedule:
         return bad(f"its schedule is {rv.schedule}, B's is {bv.schedule}")
     # (1) the steps before the forced one: composition, kernels, K/V
-    before_b = [i for i in bv.plans if i < first]
-    before_r = [i for i in rv.plans if i < first]
+    since = window.first if window is not None else 0
+    before_b = [i for i in bv.plans if since <= i < first]
+    before_r = [i for i in rv.plans if since <= i < first]
     for i in sorted(set(before_b) | set(before_r)):
         pb, pr = bv.plans.get(i), rv.plans.get(i)
         if pb is None or pr is None or pb.model != pr.model or _keys(pb) != _keys(pr):
@@ -139,7 +143,7 @@ def check_rerun(b, rerun, forced_step: int, forced) -> RerunCheck:
     if bv.has_kv:
         if not rv.has_kv:
             return bad("it records no K/V hashes, B's trace does: its cache cannot be checked")
-        why = _first_kv_difference(bv, rv, first)
+        why = _first_kv_difference(bv, rv, first, window)
         if why:
             return bad(why)
     # (3) the forced steps, each as asked

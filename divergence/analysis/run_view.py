@@ -60,19 +60,24 @@ class RunView:
         """(model, layer, op, expert, rows, label) of the step, in recorded order."""
         return self._by_step.get(step, [])
 
-    def kv_cells(self, before: int) -> list:
-        """Sorted (step, model, request, layer, position, k, v) of every K/V write before `before`."""
+    def kv_cells(self, before: int, *, since: int = 0, only=None) -> list:
+        """Sorted (step, model, request, layer, position, k, v) of every K/V write in steps
+        [since, before), of the requests `only` (None: all)."""
         if not self.is_trace:
             out = []
             for w in self.run.kv:
-                if w.step < before:
+                if since <= w.step < before and (only is None or w.request_id in only):
                     out += [(int(w.step), str(w.model), str(w.request_id), int(w.layer), int(w.start) + i, int(k),
                              int(v)) for i, (k, v) in enumerate(zip(w.k_hashes.tolist(), w.v_hashes.tolist()))]
             return sorted(out)
         t = self.run
         w, h = t.kv_writes(), t.kv_hashes()
         models, ids = t.codes("models"), [r.id for r in t.requests]
-        sel = np.flatnonzero(np.asarray(w["step"]) < before)
+        steps = np.asarray(w["step"])
+        keep = (steps < before) & (steps >= since)
+        if only is not None:
+            keep &= np.isin(np.asarray(w["request"]), [i for i, r in enumerate(ids) if r in only])
+        sel = np.flatnonzero(keep)
         kh = np.asarray(h["k_hash"]).astype(np.uint64)
         vh = np.asarray(h["v_hash"]).astype(np.uint64)
         out = []

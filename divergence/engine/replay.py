@@ -94,12 +94,15 @@ def replay_plans(
     tap: "OpTap | None" = None,
     stop_after: int | None = None,
     admit_at: dict | None = None,
+    stand_ins: frozenset = frozenset(),
 ) -> RunResult:
     """Run `plans` as recorded (a forcing's relayout is already applied: analysis/relayout.py).
     draws: (request, position, purpose) -> the recorded uniform. tap: record one step's
     op outputs for one request. stop_after: end after that step. admit_at: (model,
     request) -> where to admit a request whose first slice starts later (a relayout
-    that recomputes part of a prefix hit)."""
+    that recomputes part of a prefix hit). stand_ins: requests whose rows only hold their
+    place in a sparse replay (analysis/sparse.py): admitted at their first slice in `plans`
+    over K/V they never computed, publishing no prefix, deciding no token."""
     run = engine.recorded_run(requests, schedule, forced=forced)  # recorded under the original schedule's name
     last_seen: dict[str, int] = {}
     reserve = {r.id: 0 for r in requests}
@@ -111,7 +114,7 @@ def replay_plans(
     for site in sites:
         by_step.setdefault(site.step, []).append(site)
     req_by_id = {r.id: r for r in requests}
-    out = _Decisions(run, req_by_id, draws or {})
+    out = _Decisions(run, req_by_id, draws or {}, stand_ins)
 
     e = engine
     t0 = time.perf_counter()
@@ -121,7 +124,7 @@ def replay_plans(
         for plan in plans:
             tapping = tap is not None and plan.index == tap.step
             launch, sampled = step_recorded(run, plan, reserve, tap=tap.bind(plan) if tapping else None,
-                                            admit_at=admit_at or {})
+                                            admit_at=admit_at or {}, stand_ins=stand_ins)
             if tapping:
                 tap.finish()
             if plan.model == DRAFT_MODEL:
@@ -152,10 +155,11 @@ class _Decisions:
     recorded uniforms (keyed ones for traces without draws); a sampled verify re-runs the
     rejection test on the replay's own target p and the draft q its draft steps computed."""
 
-    def __init__(self, run, req_by_id: dict, draws: dict):
+    def __init__(self, run, req_by_id: dict, draws: dict, stand_ins: frozenset = frozenset()):
         self.run = run
         self.req = req_by_id
         self.draws = draws
+        self.stand_ins = stand_ins
         self.q: dict[tuple[str, int], np.ndarray] = {}  # (request, position) -> the draft's q there
         self.generated: dict[str, list[int]] = {r: [] for r in req_by_id}
         self.topk = {r: ([], []) for r in req_by_id}
@@ -178,7 +182,7 @@ class _Decisions:
         """A draft step: each sampled request's q at the position it predicts (its draw recorded)."""
         for i, s in enumerate(plan.slices):
             sampling = self.req[s.request_id].sampling
-            if sampling.greedy or not s.logit_rows:
+            if sampling.greedy or not s.logit_rows or s.request_id in self.stand_ins:
                 continue
             pos = s.start + s.count
             q = smp.probs(logits(i), sampling)
@@ -200,7 +204,7 @@ class _Decisions:
         chosen: dict[tuple[str, int], int] = {}
         for s in plan.slices:
             sampling = self.req[s.request_id].sampling
-            if s.phase != VERIFY or sampling.greedy:
+            if s.phase != VERIFY or sampling.greedy or s.request_id in self.stand_ins:
                 continue
             rid, props = s.request_id, list(s.tokens[1:])
             qs = [self.q.get((rid, s.start + 1 + j)) for j in range(len(props))]
@@ -217,7 +221,7 @@ class _Decisions:
                 chosen[(rid, s.start + 1 + i)] = int(t)
         for site in sorted(sites, key=lambda x: (x.request_id, x.position)):
             r = row_of.get((site.request_id, site.position))
-            if r is None:
+            if r is None or site.request_id in self.stand_ins:
                 continue
             key = (site.request_id, site.position)
             sampling = self.req[site.request_id].sampling
@@ -256,7 +260,7 @@ def recorded_draws(trace) -> dict[tuple[str, int, str], float]:
 
 
 def step_recorded(run: Run, plan: StepPlan, reserve: dict[str, int], *, tap=None,
-                  admit_at: dict | None = None) -> tuple[Launch, smp.Sampled]:
+                  admit_at: dict | None = None, stand_ins: frozenset = frozenset()) -> tuple[Launch, smp.Sampled]:
     """Replay: run a recorded plan exactly (teacher-forced), admitting its requests as the
     recording did; returns the collected step (kernels and KV writes emitted). tap: the
     forward's per-op output tap for this step (see forward.py). admit_at: (model, request) ->
@@ -265,6 +269,10 @@ def step_recorded(run: Run, plan: StepPlan, reserve: dict[str, int], *, tap=None
     state = run.state(plan.model)
     prefix = state.blocks.prefix_caching
     for s in plan.slices:
+        if s.request_id in stand_ins:
+            if s.request_id not in state.blocks.tables:  # its place only: no prefix to match
+                state.blocks.allocate(s.request_id, reserve[s.request_id])
+            continue
         if s.request_id not in state.blocks.tables:
             start = (admit_at or {}).get((plan.model, s.request_id), s.start)
             matched = admit_recorded(state.blocks, run.by_id[s.request_id], reserve[s.request_id], start,
@@ -280,7 +288,7 @@ def step_recorded(run: Run, plan: StepPlan, reserve: dict[str, int], *, tap=None
     sampled = run.collect(launch)
     if prefix:
         for s in plan.slices:
-            if s.phase == "prefill":
+            if s.phase == "prefill" and s.request_id not in stand_ins:
                 state.blocks.register_prefix(s.request_id, run.by_id[s.request_id].prompt_tokens,
                                              s.start + s.count)
     return launch, sampled

@@ -40,6 +40,9 @@ class FakeCase:
     def words(self, forced):
         return forcing_words(forced, "A")
 
+    def full_because(self):  # every replay ran sparse (analysis/sparse.py)
+        return None
+
     def where(self, i):
         return f"generated #{i}"
 

@@ -17,6 +17,7 @@ class Case:
         self.a, self.b, self.replayer, self.cause, self.rd = a, b, replayer, cause, rd
         self.label_a, self.label_b = label_a, label_b
         self.replays = 0
+        self.scopes: list = []  # each replay's result: its sparse window, or why it ran in full
         self.by_tried: str | None = None  # how the first replay forced B (for a refused forcing)
         tok, num = rd.first_divergent_token, rd.first_numeric_divergence
         self.tok = tok
@@ -33,6 +34,10 @@ class Case:
         self.at_draw = self.story is not None and self.story.depends_on_draft  # the flip was the draft's own draw
         if self.at_draw:
             self.goal = f"makes {rd.id} match {label_a}"
+
+    def full_because(self) -> str | None:
+        """Why a replay of this case ran the whole trace where a sparse one was asked for."""
+        return next((g.full_because for g in self.scopes if getattr(g, "full_because", None)), None)
 
     # -- what the rungs ask of the traces and the engine
     def force(self, step_a: int, step_b: int, positions=None, layer=None, *, alone: bool = False):
@@ -51,12 +56,12 @@ class Case:
 
     def matches(self, forced: dict, n: int) -> tuple[bool, bool, int | None]:
         self._replayed(forced)
-        return replay_matches(self.a, self.b, self.replayer, self.rd.id, forced, n)
+        return replay_matches(self.a, self.b, self.replayer, self.rd.id, forced, n, self.scopes)
 
     def decision(self, forced: dict, position: int, purpose: str, until: int) -> dict:
         """The replay's own draw of (request, position, purpose) with these steps forced."""
         self._replayed(forced)
-        return draw_of(self.b, self.replayer, forced, self.rd.id, position, purpose, until)
+        return draw_of(self.b, self.replayer, forced, self.rd.id, position, purpose, until, self.scopes)
 
     def check(self, forced: dict) -> tuple[bool, str, int | None]:
         """(B replayed with `forced` matches A as it must, the words of how exactly, where it

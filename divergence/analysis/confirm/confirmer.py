@@ -30,7 +30,9 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
             return False, f"not a valid re-run of {label_b}: {e}", case.by_tried
         if got is None:
             got = unconfirmed(tried)
-        return got.confirmed, got.detail, got.by
+        why = case.full_because()
+        detail = f"{got.detail} (replayed in full: {why})" if why else got.detail
+        return got.confirmed, detail, got.by
 
     def confirm_and_say_how(cause, rd):
         ok, detail, by = confirm(cause, rd)

@@ -28,16 +28,53 @@ class NotARerun(Exception):
     tokens prove nothing; the message is the first difference."""
 
 
-def check_replay(b, record, forced: dict) -> None:
-    """Raise NotARerun unless the recorded replay is B with only `forced` changed."""
-    got = check_rerun(b, record, min(forced) if forced else None, asked_of_forcing(forced))
+def check_replay(b, record, forced: dict, window=None) -> None:
+    """Raise NotARerun unless the recorded replay is B with only `forced` changed (a sparse
+    replay: on the steps it ran, for the requests it gives exactly)."""
+    got = check_rerun(b, record, min(forced) if forced else None, asked_of_forcing(forced), window=window)
     if not got.valid:
         raise NotARerun(got.first_difference)
 
 
-def checked_replay(replayer, b, forced: dict):
+def _run_checked(replayer, b, forced: dict, focus, until, observers=()):
+    """B replayed with `forced` for `focus`'s bits up to step `until`, checked to be B with
+    only that change. A sparse replay (analysis/sparse.py) that cannot lay the window out or
+    fails the check is not trusted: the replay runs again in full (its result then says why)."""
+    if any(isinstance(v, RelayoutStep) for v in forced.values()):
+        until = None  # a relayout moves the request's token sites (and may drop some): run to the end
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        got = replayer.run(b, forced=forced, observers=[*observers, record], focus=focus, stop_after=until)
+        if getattr(got, "window", None) is not None:
+            check_replay(b, record, forced, got.window)
+            return got
+    except (ValueError, NotARerun) as e:
+        if focus is None:
+            if isinstance(e, ValueError):  # a forcing the replay cannot lay out: this cause stays unconfirmed
+                raise ForcingRefused(str(e)) from e
+            raise
+        why = f"the sparse replay {'failed its re-run check' if isinstance(e, NotARerun) else 'refused'}: {e}"
+        got = None
+    else:
+        why = getattr(got, "full_because", None)
+        if focus is None or why is not None:  # it ran in full already
+            check_replay(b, record, forced)
+            return got
+    record = RunRecord(kv_hashes=b.has_kv_hashes)
+    try:
+        got = replayer.run(b, forced=forced, observers=[*observers, record], stop_after=until)
+    except ValueError as e:
+        raise ForcingRefused(str(e)) from e
+    check_replay(b, record, forced)
+    got.full_because = why
+    return got
+
+
+def checked_replay(replayer, b, forced: dict, *, focus=None, until: int | None = None):
     """Replay B with `forced`, checked to be B with only that change; memoised per replayer
-    (the check records the replay, so a memoising replayer would not memoise it)."""
+    (the check records the replay, so a memoising replayer would not memoise it). focus,
+    until: the requests whose bits are asked for, and the last step they are asked at (a
+    sparse replay: analysis/sparse.py)."""
     memo = getattr(replayer, "_checked_replays", None)
     if memo is None:
         memo = {}
@@ -45,15 +82,11 @@ def checked_replay(replayer, b, forced: dict):
             replayer._checked_replays = memo
         except AttributeError:
             pass
-    key = (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())))
+    key = (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())),
+           None if focus is None else tuple(sorted(focus)), until)
     if key in memo and memo[key][0] is b:
         return memo[key][1]
-    record = RunRecord(kv_hashes=b.has_kv_hashes)
-    try:
-        got = replayer.run(b, forced=forced, observers=[record])
-    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
-        raise ForcingRefused(str(e)) from e
-    check_replay(b, record, forced)
+    got = _run_checked(replayer, b, forced, focus, until)
     memo[key] = (b, got)
     del_keys = list(memo)[:-16]
     for k in del_keys:
@@ -61,11 +94,22 @@ def checked_replay(replayer, b, forced: dict):
     return got
 
 
-def replay_matches(a, b, replayer, rid: str, forced: dict, n: int) -> tuple[bool, bool, int | None]:
+def step_of_token(b, rid: str, n: int) -> int | None:
+    """The B step that committed `rid`'s n-th generated token (the last a check reads)."""
+    steps = b.tokens(rid).steps
+    return int(steps[min(n, len(steps)) - 1]) if len(steps) and n > 0 else None
+
+
+def replay_matches(a, b, replayer, rid: str, forced: dict, n: int,
+                   scopes: list | None = None) -> tuple[bool, bool, int | None]:
     """Replay B with `forced`: (its first n tokens of `rid` are A's, and bit for bit with their
     top-k logits, the first of them that differs or None). Raises ForcingRefused where the
-    replay cannot lay the forcing out."""
-    got = checked_replay(replayer, b, forced).outputs[rid]
+    replay cannot lay the forcing out. scopes: gets the replay's result (its window, or why
+    it ran in full)."""
+    got = checked_replay(replayer, b, forced, focus={rid}, until=step_of_token(b, rid, n))
+    if scopes is not None:
+        scopes.append(got)
+    got = got.outputs[rid]
     ta = a.tokens(rid)
     want = [int(t) for t in ta.tokens[:n]]
     same = list(got.tokens[:n]) == want
@@ -79,7 +123,8 @@ def replay_matches(a, b, replayer, rid: str, forced: dict, n: int) -> tuple[bool
     return same, bitwise, first
 
 
-def draw_of(b, replayer, forced: dict, rid: str, position: int, purpose: str, until: int) -> dict:
+def draw_of(b, replayer, forced: dict, rid: str, position: int, purpose: str, until: int,
+            scopes: list | None = None) -> dict:
     """B replayed with `forced` (checked to be a re-run of B): its draw of (request, position,
     purpose) up to step `until`, as recorded, or {}."""
     class Draws(Observer):
@@ -88,18 +133,18 @@ def draw_of(b, replayer, forced: dict, rid: str, position: int, purpose: str, un
         def __init__(self):
             self.got = {}
 
+        def on_run_start(self, info):  # a sparse replay retried in full starts again
+            self.got = {}
+
         def on_record(self, table, **c):
             if table == "draws" and c["request"] == rid and c["position"] == position \
                     and c["purpose"] == purpose and c["step"] <= until:
                 self.got = c
 
     rec = Draws()
-    record = RunRecord(kv_hashes=b.has_kv_hashes)
-    try:
-        replayer.run(b, forced=forced, observers=[rec, record])
-    except ValueError as e:
-        raise ForcingRefused(str(e)) from e
-    check_replay(b, record, forced)
+    got = _run_checked(replayer, b, forced, {rid}, until, observers=[rec])
+    if scopes is not None:
+        scopes.append(got)
     return rec.got
 
 
