@@ -29,8 +29,9 @@ def add_arguments(p, *, html_required: bool = False) -> None:
                    help="a request whose tokens match but whose logits differ counts as diverged: it gets a root "
                         "cause (and with --confirm a confirmation) like any other, and the exit code is 1")
     p.add_argument("--html", metavar="OUT.html", required=html_required,
-                   help="where to write the page" if html_required else
-                   "also write the report as one self-contained HTML page")
+                   help=("where to write the page" if html_required else
+                         "also write the report as one self-contained HTML page")
+                   + " (an existing HTML page there is replaced; any other file, a trace above all, is refused)")
     p.add_argument("--json", action="store_true", help="print a JSON report")
 
 

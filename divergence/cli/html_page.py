@@ -5,13 +5,13 @@ from pathlib import Path
 
 from ..core.atomic import write_atomic
 from ..errors import DivergenceInputError
-from .paths import check_output_file
+from .paths import HTML, check_output_file
 
 
 def check_out(path, inputs=()) -> Path:
-    """The page's path, refused before any work when it can't be a file, or is one of `inputs`
-    (the traces: `report A B --html A` would destroy A)."""
-    return check_output_file(path, flag="--html", inputs=inputs)
+    """The page's path, refused before any work when it can't be a file, is one of `inputs`
+    (the traces: `report A B --html A` would destroy A), or is a file other than an HTML page."""
+    return check_output_file(path, flag="--html", inputs=inputs, kind=HTML)
 
 
 def write_page(report, a, b, path) -> str:

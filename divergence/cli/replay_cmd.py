@@ -7,7 +7,7 @@ from ..core.names import ATTENTION, ATTENTION_KERNELS, BATCH_INVARIANT, FORCIBLE
 from ..core.policy import SOLO_NAME, UNSHARDED_NAME
 from ..errors import DivergenceInputError
 from .common import emit_json, open_pair
-from .paths import check_output_file
+from .paths import check_output_file, remember_outputs
 
 
 HELP = "re-execute a trace's exact schedule (optionally forcing kernels at steps) and report fidelity"
@@ -17,7 +17,8 @@ def add_arguments(p) -> None:
     p.add_argument("trace", metavar="TRACE.h5")
     p.add_argument("--force", action="append", default=[], metavar="STEP:KERNEL", help=_force_help())
     p.add_argument("--out", metavar="FILE.h5", help="the replayed trace: one file (run's --out is a directory) "
-                   "(default: a temporary file, removed when replay ends unless --keep)")
+                   "(default: a temporary file, removed when replay ends unless --keep); an existing file there is "
+                   "replaced only if it is replay's own earlier output, unchanged since: never another trace")
     p.add_argument("--keep", action="store_true", help="without --out, keep the temporary replayed trace")
     p.add_argument("--against", metavar="A.h5", help="the other trace of the pair TRACE diverged from: say what "
                    "the (forced) replay proved, request by request (and exit 1 where it proved nothing)")
@@ -46,8 +47,9 @@ def _force_help() -> str:
 def main(args) -> int:
     from ..analysis.replayer import replay  # (lazy: loads the BLAS)
 
-    if args.out:  # before any work: not the input trace, not a directory, in a writable place
-        check_output_file(args.out, flag="--out", inputs=(args.trace,))
+    if args.out:  # before any work: not an input, not a directory, not a file replay did not write, writable
+        check_output_file(args.out, flag="--out", inputs=(args.trace, args.against, args.environment_of),
+                          command="replay")
     if getattr(args, "against", None):  # before any work too: a pair that diff would compare
         from ..analysis.diff import check_comparable  # (lazy: loads numpy and h5py; the parser imports every command)
 
@@ -58,6 +60,8 @@ def main(args) -> int:
         return _tap(args)
     r = replay(args.trace, force=args.force, out=args.out, model_dir=args.model, draft_dir=args.draft,
                environment_of=args.environment_of, keep=getattr(args, "keep", False))
+    if args.out:
+        remember_outputs([args.out], command="replay")
     changed, against = _compare(args, r)
     code = 0 if (r.faithful or r.forced) else 1
     if against is not None and not against["proved"]:

@@ -5,7 +5,7 @@ import sys
 
 from ..core.names import BASE_SCHEDULES, SERIAL
 from ..errors import PromptError
-from .paths import check_output_dir
+from .paths import check_output_dir, remember_outputs
 
 HELP = ("re-run the requests of a live trace (divergence serve) under another schedule: the reference trace "
         "(a trace of serve --engine mlx-lm re-runs on mlx-lm's BatchGenerator, serially, its greedy requests)")
@@ -17,7 +17,8 @@ def add_arguments(p) -> None:
                    help="the schedule of the re-run")
     p.add_argument("--requests", metavar="ID,...", help="re-run only these requests; the trace names them, and "
                    "diff, bisect and report compare only these")
-    p.add_argument("--out", metavar="DIR", required=True, help="a directory: SCHEDULE.h5 goes there")
+    p.add_argument("--out", metavar="DIR", required=True, help="a directory: SCHEDULE.h5 goes there (an existing "
+                   "SCHEDULE.h5 is replaced only if it is rerun's own earlier output, unchanged since)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
 
@@ -27,7 +28,7 @@ def main(args) -> int:
     from ..trace.reader import Trace  # (lazy: loads numpy and h5py; the parser imports every command)
 
     Trace.open(args.live).close()  # not a trace: one line, before anything loads
-    check_output_dir(args.out, files=[f"{args.schedule}.h5"], inputs=[args.live])
+    check_output_dir(args.out, files=[f"{args.schedule}.h5"], inputs=[args.live], command="rerun")
     ids = None
     if args.requests is not None:
         ids = [i.strip() for i in args.requests.split(",") if i.strip()]
@@ -35,6 +36,7 @@ def main(args) -> int:
             raise PromptError("--requests names no request")
     path, result, skipped = rerun(args.live, args.out, schedule=args.schedule, request_ids=ids,
                                   model_dir=args.model, draft_dir=args.draft)
+    remember_outputs([path], command="rerun")
     ran = len(result.outputs) - len(skipped)
     print(f"{args.schedule:<11} {ran} requests, {result.generated_tokens} tokens, {result.steps} steps "
           f"({result.target_steps} target), {result.seconds:.1f} s -> {path}")

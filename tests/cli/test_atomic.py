@@ -55,17 +55,17 @@ def test_temp_names_are_unique(tmp_path):
 
 def test_a_failed_html_write_keeps_the_old_page(tmp_path, capsys, monkeypatch):
     page = tmp_path / "report.html"
-    page.write_text("the old page")
+    page.write_text("<!DOCTYPE html><p>the old page")
     monkeypatch.setattr(os, "fsync", _enospc)
     rc, _, err = run(["report", str(TRACES / "serial.h5"), str(TRACES / "concurrent.h5"), "--html", str(page)],
                      capsys)
     assert rc == 2 and len(err) == 1 and "No space left" in err[0], err
-    assert page.read_text() == "the old page" and sorted(tmp_path.iterdir()) == [page]
+    assert page.read_text() == "<!DOCTYPE html><p>the old page" and sorted(tmp_path.iterdir()) == [page]
 
 
 def test_the_html_page_is_written_whole(tmp_path, capsys):
     page = tmp_path / "report.html"
-    page.write_text("the old page")
+    page.write_text("<!DOCTYPE html><p>the old page")
     rc, _, err = run(["report", str(TRACES / "serial.h5"), str(TRACES / "concurrent.h5"), "--html", str(page)],
                      capsys)
     assert rc in (0, 1), err

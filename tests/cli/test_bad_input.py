@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from divergence.cli.main import main
+from divergence.cli.paths import remember_outputs
 
 TRACES = Path(__file__).parents[2] / "traces" / "v1"
 
@@ -142,6 +143,7 @@ def test_a_second_run_on_one_out_is_refused(tmp_path, capsys):
     from divergence.workloads.runner import _lock, _unlock
 
     (tmp_path / "serial.h5").write_bytes(b"previous")
+    remember_outputs([tmp_path / "serial.h5"], command="run")  # an earlier run's (else refused as another's file)
     held = _lock(tmp_path)  # as another `divergence run` holds it (flock: per open file)
     try:
         rc, _, err = run(["run", "--out", tmp_path, "--max-tokens", "2", "--json"], capsys)
@@ -175,6 +177,7 @@ def test_a_failed_flush_is_one_line_and_no_partial(tmp_path, capsys, monkeypatch
 
     for name in ("serial.h5", "concurrent.h5"):
         (tmp_path / name).write_bytes(b"previous " + name.encode())
+    remember_outputs([tmp_path / "serial.h5", tmp_path / "concurrent.h5"], command="run")  # an earlier run's
     real, calls = h5py.File.flush, []
 
     def flush(self):
@@ -210,6 +213,7 @@ def test_a_full_tmpfs_is_one_line_not_a_segfault(tmp_path, size):
         pytest.skip("cannot mount a tmpfs here")
     try:
         (d / "concurrent.h5").write_bytes(b"previous")
+        remember_outputs([d / "concurrent.h5"], command="run")  # an earlier run's (the child shares the cache dir)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
         p = subprocess.run([sys.executable, "-m", "divergence", "run", "--out", str(d), "--json"], env=env,
                            capture_output=True, text=True, timeout=300)

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from divergence.cli.main import main
+from divergence.cli.paths import remember_outputs
 
 
 def run(args, capsys):
@@ -51,6 +52,7 @@ def test_a_failed_run_keeps_the_previous_traces(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "serial.h5").write_bytes(b"previous")
+    remember_outputs([out / "serial.h5"], command="run")  # an earlier run's (else refused as another's file)
     rc, _, _ = run(["run", "--policy", "nope", "--out", str(out)], capsys)
     assert rc == 2 and (out / "serial.h5").read_bytes() == b"previous"
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from divergence.cli.main import main
+from divergence.cli.paths import remember_outputs
 from divergence.errors import RecordError
 from divergence.record import Recorder
 
@@ -82,6 +83,7 @@ def test_bad_record_one_line_exit_2_nothing_written(tmp_path, capsys, name, line
     d = write_jsonl(tmp_path / "in", script(np.random.default_rng(0)))
     out = tmp_path / "t.h5"
     out.write_bytes(b"an earlier trace")
+    remember_outputs([out], command="import")  # an earlier import's (else refused as another's file)
     edit(d, name, line, fn)
     capsys.readouterr()
     assert main(["import", str(d), "--out", str(out)]) == 2

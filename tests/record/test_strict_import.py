@@ -19,6 +19,7 @@ import pytest
 
 from divergence import Trace
 from divergence.cli.main import main
+from divergence.cli.paths import remember_outputs
 from divergence.errors import RecordError
 from divergence.record import Recorder
 from divergence.record.jsonl import import_records
@@ -52,6 +53,7 @@ def refused(tmp_path, capsys, d):
     partial file; the API raises RecordError with the same message. Returns the message."""
     out = tmp_path / "t.h5"
     out.write_bytes(b"an earlier trace")
+    remember_outputs([out], command="import")  # an earlier import's (else refused as another's file)
     capsys.readouterr()
     assert main(["import", str(d), "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

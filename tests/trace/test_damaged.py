@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from divergence.cli.main import main
+from divergence.cli.paths import remember_outputs
 from divergence.errors import TraceError
 
 from .damage import EDITS, damage
@@ -56,6 +57,7 @@ def test_damaged_trace_is_one_line(run_dir, tmp_path, capsys, edit, cmd):
     else:
         out = tmp_path / "out.h5"
         out.write_bytes(b"an earlier replay")
+        remember_outputs([out], command="replay")  # an earlier replay's (else refused as another's file)
         argv = {"diff": ["diff", str(a), str(b)], "bisect": ["bisect", str(a), str(b)],
                 "replay": ["replay", str(b), "--out", str(out)],
                 "report": ["report", str(a), str(b), "--html", str(tmp_path / "r.html")]}[cmd]
