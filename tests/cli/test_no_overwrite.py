@@ -36,8 +36,8 @@ def records(tmp_path):
     return d
 
 
-# (command, option) -> how the command is called with VICTIM as where that option writes: a file, or
-# DIR (the victim is then DIR/serial.h5, the trace the command writes there)
+# (command, option) -> how the command is called with VICTIM as where that option writes: a file, or, for
+# an option naming a directory (IN_A_DIR), victim.parent (the victim is then the file IN_A_DIR names there)
 CASES = {
     ("report", "--html"): lambda a, b, rec, v: ["report", a, b, "--html", v],
     ("bisect", "--html"): lambda a, b, rec, v: ["bisect", a, b, "--html", v],
@@ -46,7 +46,7 @@ CASES = {
     ("run", "--out"): lambda a, b, rec, v: ["run", "--out", v.parent, "--schedules", "serial", "--max-tokens", "2"],
     ("rerun", "--out"): lambda a, b, rec, v: ["rerun", a, "--out", v.parent],
 }
-IN_A_DIR = {("run", "--out"), ("rerun", "--out")}
+IN_A_DIR = {("run", "--out"): "serial.h5", ("rerun", "--out"): "serial.h5"}
 # output options that never meet an existing file, and why
 EXEMPT = {("serve", "--trace-dir"): "a directory; each live trace gets a new name (live-STAMP-N.h5)",
           ("replay", "--tap-out"): "internal: the parent process names a fresh temporary file"}
@@ -55,7 +55,7 @@ EXEMPT = {("serve", "--trace-dir"): "a directory; each live trace gets a new nam
 def _victim(tmp_path, case, content: bytes, name: str) -> Path:
     d = tmp_path / "out"
     d.mkdir()
-    v = d / ("serial.h5" if case in IN_A_DIR else name)
+    v = d / IN_A_DIR.get(case, name)
     v.write_bytes(content)
     return v
 
