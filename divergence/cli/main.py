@@ -17,7 +17,8 @@ from ..parallel.ranks import distribute
 from .common import default_model_dirs
 from .reexec import run_under_recorded_environment, run_under_requested_core
 
-SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import", "serve", "rerun")
+SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import", "serve", "rerun",
+               "explain")
 
 
 BAD_INPUT = "bad input (one line on stderr, nothing written)"
@@ -40,6 +41,9 @@ EXIT_CODES = {
     "serve": {0: "stopped (SIGTERM or Ctrl-C): the requests taken were finished and the trace closed",
               2: BAD_INPUT},
     "rerun": {0: "the reference trace was written", 2: BAD_INPUT},
+    "explain": {0: "the requests are identical to their serial re-run",
+                1: "a request diverged from its serial re-run (the report says why, and whether replay confirmed it)",
+                2: BAD_INPUT},
 }
 
 
