@@ -1,0 +1,183 @@
+"""The sparse replay (analysis/sparse.py) gives the full replay's bits for the request it
+proves, on every kind of trace the engine writes: tokens, top-k ids and logits, K/V hashes
+(its own writes and the prefix-cache blocks it reads) and draws. Both ways: unforced, and
+with the request's most crowded step run request by request (SOLO), as a confirmation forces
+it. Kinds it is not known to hold for (MoE, tensor parallel) fall back to the whole trace and
+say why. The live `serve` trace's case is in tests/serve/test_sparse_live.py.
+
+The reference is the full replay, itself checked bit for bit against the recording
+(tests/analysis/test_replay_matrix.py), so equal bits here are the recording's bits.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from divergence import Trace
+from divergence.core.events import Observer
+from divergence.core.policy import SOLO
+
+PREAMBLE = "Return a new list containing all items from the iterable in ascending order. A custom key function. "
+TEXTS = ("The socket module provides", "If the object", "Open file and return a stream.", "Create a new thread")
+
+
+class Bits(Observer):
+    """One request's bits in a replay: K/V hashes (own writes and prefix reads) and draws."""
+
+    wants_kv_hashes = True
+    wants_records = True
+
+    def __init__(self, rid: str):
+        self.rid = rid
+        self.kv: list = []
+        self.draws: list = []
+
+    def on_kv_write(self, w) -> None:
+        if w.request_id == self.rid:
+            self.kv += [(int(w.step), str(w.model), int(w.layer), int(w.start) + i, int(k), int(v))
+                        for i, (k, v) in enumerate(zip(w.k_hashes.tolist(), w.v_hashes.tolist()))]
+
+    def on_record(self, table, **c) -> None:
+        if table == "draws" and c["request"] == self.rid:
+            self.draws.append(tuple(sorted((k, str(v)) for k, v in c.items())))
+
+
+def _replay(replayer, trace, rid, until, forced=None, *, sparse: bool):
+    bits = Bits(rid)
+    got = replayer.run(trace, forced=forced, observers=[bits], focus={rid} if sparse else None, stop_after=until)
+    out = got.outputs[rid]
+    return got, (list(out.tokens), np.asarray(out.topk_ids).tolist(),
+                 np.asarray(out.topk_logits, np.float32).view(np.uint32).tolist(), sorted(bits.kv), bits.draws)
+
+
+def _crowded_step(trace, rid: str) -> int:
+    """The step that computed `rid` beside the most other rows."""
+    steps = [p for p in trace.iter_plans() if any(s.request_id == rid for s in p.slices)]
+    return max(steps, key=lambda p: (len(p.slices), p.rows)).index
+
+
+def _assert_sparse_is_full(path, *, expect_sparse: bool = True, forced_too: bool = True):
+    from divergence.analysis.replayer import Replayer
+
+    sparse, full = Replayer(), Replayer(sparse=False)
+    with Trace.open(path) as t:
+        ids = [r.id for r in t.requests if len(t.tokens(r.id).tokens)]
+        assert len(ids) >= 2
+        proved = 0
+        for rid in (ids[len(ids) // 2], ids[-1]):  # a request in the middle, and the last
+            until = int(t.tokens(rid).steps[-1])
+            runs = [None] + ([{_crowded_step(t, rid): SOLO}] if forced_too else [])
+            for forced in runs:
+                got_s, bits_s = _replay(sparse, t, rid, until, forced, sparse=True)
+                got_f, bits_f = _replay(full, t, rid, until, forced, sparse=False)
+                assert bits_s[0], (rid, "no tokens replayed")
+                for name, x, y in zip(("tokens", "top-k ids", "top-k logits", "K/V hashes", "draws"), bits_s, bits_f):
+                    assert x == y, (path.name, rid, forced, name)
+                if expect_sparse:
+                    w = got_s.window
+                    assert w is not None, got_s.full_because
+                    assert rid in w.real and w.steps < w.of or w.first == 0, w
+                    proved += w.steps < w.of
+                else:
+                    assert got_s.window is None and got_s.full_because
+        if expect_sparse:
+            assert proved, "no replay ran fewer steps than the trace: nothing sparse was checked"
+        return t
+
+
+def _run(root, name, *, weights="bf16", schedules=("concurrent",), policy="threshold:4", spec=False,
+         sampled=False, prefix=False, model_type="llama", extra=None):
+    from divergence.core.request import Request, Sampling
+    from divergence.fixtures import DRAFT
+    from divergence.testing.models import make_random_model
+    from divergence.workloads.runner import RunConfig, load_models, run_schedules
+
+    model = root / f"model-{model_type}-{weights}"
+    if not model.exists():
+        make_random_model(model, model_type=model_type, hidden_size=64, num_layers=2, heads=4, kv_heads=2,
+                          intermediate_size=128, dtype="float32" if weights == "fp32" else "bfloat16",
+                          quantize_bits=4 if weights == "4bit" else None, **(extra or {}))
+    cfg = RunConfig(model=model, draft=DRAFT if spec else None, policy=policy, spec_k=3 if spec else 0,
+                    token_budget=64, top_k=4, prefix_caching=prefix, stop_at_eos=False)
+    target, draft = load_models(cfg)
+    reqs = [Request(f"r{i}", tuple(target.encode(PREAMBLE + t)), max_tokens=12, arrival=3 * i,
+                    sampling=Sampling(0.8, 0.95, 1000 + i) if sampled else Sampling())
+            for i, t in enumerate(TEXTS)]
+    out = root / name
+    run_schedules(cfg, target, draft, reqs, schedules, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("sparse")
+
+
+KINDS = {  # name -> (run settings, schedule)
+    "dense-bf16": (dict(), "concurrent"),
+    "dense-fp32-native": (dict(weights="fp32", policy="native"), "concurrent"),
+    "4bit": (dict(weights="4bit"), "concurrent"),
+    "prefix-cache": (dict(prefix=True), "concurrent"),
+    "warm": (dict(schedules=("warm",)), "warm"),
+    "spec-greedy": (dict(spec=True), "concurrent"),
+    "spec-sampled": (dict(spec=True, sampled=True), "concurrent"),
+    "sampled": (dict(sampled=True, policy="batch-invariant"), "concurrent"),
+}
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_sparse_replay_gives_the_full_replays_bits(kind, root):
+    kw, schedule = KINDS[kind]
+    out = _run(root, kind, **kw)
+    _assert_sparse_is_full(out / f"{schedule}.h5")
+
+
+def test_a_prefix_hit_makes_its_writer_real(root):
+    """With the prefix cache, the request reads blocks that an earlier one wrote: that writer
+    is replayed for real from its own arrival (a stand-in's K/V would be garbage there)."""
+    from divergence.analysis.sparse import plan_window
+
+    out = _run(root, "prefix-cache", prefix=True)
+    with Trace.open(out / "concurrent.h5") as t:
+        plans = list(t.iter_plans())
+        last = t.requests[-1].id
+        hit = next(s.start for p in plans for s in p.slices if s.request_id == last)
+        assert hit > 0  # it found its prompt's first blocks in the cache
+        w = plan_window(t, plans, {last}, None)
+        assert len(w.real) > 1 and w.first == 0, w  # the writer, from step 0
+        # (the bits themselves: test_the_sparse_replay_gives_the_full_replays_bits[prefix-cache])
+
+
+def test_batch_generator_traces_replay_sparse_bit_for_bit(root, target):
+    """mlx-lm's BatchGenerator trace (the engine stands in for it on replay)."""
+    from divergence.core.request import Request
+    from divergence.trace.writer import TraceWriter
+    from divergence.workloads.mlxlm_batch import run_batch_generator
+
+    reqs = [Request(f"p{i}", tuple(target.encode(t)), max_tokens=8) for i, t in enumerate(TEXTS)]
+    path = root / "bg-concurrent.h5"
+    with TraceWriter(path, top_k=8, kv_hashes=True) as w:
+        run_batch_generator(target, reqs, "concurrent", [w])
+    _assert_sparse_is_full(path, forced_too=False)  # (BatchGenerator's steps are replayed on native kernels)
+
+
+def test_moe_traces_fall_back_to_the_whole_trace_and_say_why(root):
+    from divergence.analysis.sparse import MOE
+
+    out = _run(root, "moe", model_type="qwen3_moe", policy="native", extra=dict(num_experts=8, experts_per_token=2))
+    t = _assert_sparse_is_full(out / "concurrent.h5", expect_sparse=False, forced_too=False)
+    from divergence.analysis.replayer import Replayer
+
+    with Trace.open(t.path) as t:
+        rid = t.requests[-1].id
+        got = Replayer().run(t, focus={rid}, stop_after=int(t.tokens(rid).steps[-1]))
+        assert got.full_because == MOE
+
+
+def test_tensor_parallel_traces_fall_back_and_say_why():
+    from types import SimpleNamespace
+
+    from divergence.analysis.sparse import TP, plan_window
+
+    trace = SimpleNamespace(tp_degree=2, has_routing=False, meta={}, requests=[])
+    assert plan_window(trace, [], {"r1"}, None) == TP
