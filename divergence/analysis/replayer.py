@@ -125,20 +125,23 @@ class Replayer:
         window = None
         if focus is not None and self.sparse:
             window = plan_window(trace, recorded, focus, stop_after, forced_steps=(forced or {}).keys())
+        requests = list(trace.requests)
         if isinstance(window, SparseWindow):
             recorded = window.plans(recorded)
             sites = self._sites(trace, window.real)
             sites = [x for x in sites if window.first <= x.step <= window.last]
             stand_ins = window.stand_ins
+            # only the window's requests: the cache is sized for them, not for the whole trace
+            requests = [r for r in requests if r.id in window.real or r.id in stand_ins]
         else:
             sites = self._sites(trace, None)
             stand_ins = frozenset()
         forced = with_recorded_attention(trace, recorded, forced or {}, self._attention(trace))
-        plans, sites, forced = relayout(recorded, sites, forced, trace.requests)
+        plans, sites, forced = relayout(recorded, sites, forced, requests)
         # under the recording's BLAS thread count: it is part of the fp32 numerics (engine/kernels/blas.py)
         env = under if under is not None else (trace.meta.get("environment") or {})
         with using_blas_threads(env.get("blas_threads")):
-            got = replay_plans(engine, list(trace.requests), plans, sites, schedule=trace.meta["schedule"],
+            got = replay_plans(engine, requests, plans, sites, schedule=trace.meta["schedule"],
                                forced=forced, draws=self._draws(trace), tap=tap, stop_after=stop_after,
                                admit_at=admissions(recorded, plans), stand_ins=stand_ins)
         got.window = window if isinstance(window, SparseWindow) else None
