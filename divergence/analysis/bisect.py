@@ -196,7 +196,7 @@ def _routing_flip(a, b, rd: RequestDiff):
 
 
 def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
-                  bitwise: bool = False, op_finder=None) -> BisectReport:
+                  bitwise: bool = False, op_finder=None, only=None) -> BisectReport:
     """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
     replays B with the root-cause step forced to A's kernels (see analysis.replayer).
     Traces without KV hashes need `replay_bisector(request_diff)` -> ReplayBisection (or the
@@ -213,6 +213,8 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     replays = 0
     for rd in d.requests:
         if rd.status != DIVERGED or (rd.first_divergent_token is None and rd.first_numeric_divergence is None):
+            continue
+        if only is not None and rd.id not in only:
             continue
         if hashed:
             cause = find_root_cause(a, b, rd)

@@ -38,6 +38,7 @@ class AnalysisOptions:
     make_replayer: Callable | None = None  # (model_dir, draft_dir) -> Replayer (the plugin memoises)
     labels: tuple | None = None  # (A's, B's); default the traces' schedule labels
     keep: bool = False  # keep the re-runs' temporary traces (--confirm-cmd), named in the report
+    requests: list | None = None  # the request ids to find and confirm causes of (None: every diverged one)
     note: Callable[[str], None] = field(default=lambda text: print(text, file=sys.stderr))
 
     @classmethod
@@ -91,7 +92,8 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
             op_finder = make_op_finder(a, b, replayer, *labels)
     try:
         return bisect_traces(a, b, confirm=opts.confirm or bool(opts.confirm_cmd), replayer=confirmer,
-                             replay_bisector=bisector, bitwise=opts.bitwise, op_finder=op_finder)
+                             replay_bisector=bisector, bitwise=opts.bitwise, op_finder=op_finder,
+                             only=None if opts.requests is None else set(opts.requests))
     finally:
         for close in closers:
             close()
