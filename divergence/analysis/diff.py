@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from ..core.request import WARMUP_PREFIX
-from ..errors import TraceMismatchError
+from ..errors import DivergenceInputError, TraceMismatchError
 from .environment import environment_differs
 
 IDENTICAL = "identical"
@@ -116,6 +116,7 @@ class DiffReport:
     # device, BLAS or thread count changes numerics on its own, whatever the schedules
     environment: dict = field(default_factory=dict)
     subset: list = field(default_factory=list)  # a partial rerun's pair: the ids compared (empty: every request)
+    selected: list = field(default_factory=list)  # --requests: the ids chosen (empty: every request)
 
     @property
     def identical(self) -> bool:
@@ -130,6 +131,7 @@ class DiffReport:
                 "tp_degrees": list(self.tp_degrees), "labels": [self.label_a, self.label_b], "incomplete": self.incomplete,
                 "environment_differs": {k: list(v) for k, v in self.environment.items()},
                 **({"compared_only": self.subset} if self.subset else {}),
+                **({"selected": self.selected} if self.selected else {}),
                 "requests": [r.to_json() for r in self.requests]}
 
 
@@ -176,6 +178,14 @@ def rerun_subset(a, b) -> set[str] | None:
         if ids:
             return set(ids)
     return None
+
+
+def selected_requests(a, b) -> frozenset | None:
+    """The requests `--requests` chose (Trace.select, on either trace); None: every request."""
+    sa, sb = getattr(a, "selected", None), getattr(b, "selected", None)
+    if sa is not None and sb is not None:
+        return sa & sb
+    return sa if sa is not None else sb
 
 
 def _finite(x) -> float | None:
@@ -280,15 +290,23 @@ def diff_traces(a, b, *, bitwise: bool = False) -> DiffReport:
     incomplete = [t.path for t in (a, b) if not t.completed]
     out = []
     chosen = rerun_subset(a, b)
+    selected = selected_requests(a, b)
+    if selected is not None and chosen is not None and selected - chosen:
+        rid = sorted(selected - chosen)[0]
+        raise DivergenceInputError(f"--requests: {rid} was not re-run (the partial rerun re-ran "
+                                   f"{', '.join(sorted(chosen)[:5])}{' ...' if len(chosen) > 5 else ''})")
     for req in compared_requests(a):
         if chosen is not None and req.id not in chosen:
             continue  # a partial rerun's pair: the requests it did not re-run are not compared
+        if selected is not None and req.id not in selected:
+            continue  # --requests: only those
         ta, tb = a.tokens(req.id), b.tokens(req.id)
         d = diff_request(req.id, len(req.prompt_tokens), ta, tb, truncated=bool(incomplete), bitwise=bitwise)
         out.append(d)
     return DiffReport(str(a.path), str(b.path), *pair_labels(a, b), out, [str(p) for p in incomplete],
                       bitwise=bitwise, tp_degrees=(a.tp_degree, b.tp_degree),
-                      environment=environment_differs(a, b), subset=sorted(chosen or ()))
+                      environment=environment_differs(a, b), subset=sorted(chosen or ()),
+                      selected=sorted(selected or ()))
 
 
 def _label(trace) -> str:

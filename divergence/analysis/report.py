@@ -211,6 +211,9 @@ def _environment_note(d: DiffReport) -> list[str]:
 
 
 def _subset_note(d: DiffReport) -> list[str]:
+    if d.selected:
+        some = ", ".join(d.selected[:5]) + (f" and {len(d.selected) - 5} more" if len(d.selected) > 5 else "")
+        return [f"note: only the {len(d.selected)} requests chosen are compared ({some})"]
     if not d.subset:
         return []
     return [f"note: a partial rerun: only the {len(d.subset)} requests it re-ran are compared"]

@@ -32,7 +32,23 @@ def add_arguments(p, *, html_required: bool = False) -> None:
                    help=("where to write the page" if html_required else
                          "also write the report as one self-contained HTML page")
                    + " (an existing HTML page there is replaced; any other file, a trace above all, is refused)")
+    add_requests_argument(p)
     p.add_argument("--json", action="store_true", help="print a JSON report")
+
+
+def add_requests_argument(p) -> None:
+    p.add_argument("--requests", metavar="ID,...", help="compare only these requests (read only their rows of "
+                   "the traces: a multi-gigabyte live trace stays cheap)")
+
+
+def select_requests(args, *traces) -> None:
+    """--requests ID,...: the requests the analysis compares, chosen on each open trace."""
+    spec = getattr(args, "requests", None)
+    if spec is None:
+        return
+    ids = list(dict.fromkeys(i.strip() for i in spec.split(",") if i.strip()))
+    for t in traces:
+        t.select(ids)
 
 
 def main(args) -> int:
@@ -41,6 +57,7 @@ def main(args) -> int:
     html = check_out(args.html, inputs=(args.a, args.b)) if getattr(args, "html", None) else None
     a, b = open_pair(args.a, args.b)
     with a, b:
+        select_requests(args, a, b)
         report = build_report(args, a, b)
         if html is not None:
             print(write_page(report, a, b, html), file=sys.stderr)

@@ -41,6 +41,45 @@ class StepLine(Observer):
             self._shown = False
 
 
+class RunLine(Observer):
+    """An engine observer for a run whose length is not known ahead (a re-run): one `\\r` line,
+    're-running serially: step 120, 340 tokens'."""
+
+    def __init__(self, what: str, *, every_s: float = 0.1):
+        self.what, self.every_s = what, every_s
+        self.steps = self.tokens = 0
+        self._last = 0.0
+        self._shown = False
+
+    def on_token(self, event) -> None:
+        self.tokens += 1
+
+    def on_step(self, event) -> None:
+        self.steps += 1
+        now = time.monotonic()
+        if now - self._last >= self.every_s:
+            self._last = now
+            self._shown = True
+            sys.stderr.write(f"\r{self.what}: step {self.steps}, {self.tokens} tokens")
+            sys.stderr.flush()
+
+    on_run_end = StepLine.on_run_end
+
+
+@contextlib.contextmanager
+def rerun_progress(live, ids=None):
+    """The observers a re-run adds: a RunLine on a terminal, none elsewhere."""
+    if not on_tty():
+        yield []
+        return
+    what = f"re-running {len(ids)} requests serially" if ids else "re-running serially"
+    line = RunLine(what)
+    try:
+        yield [line]
+    finally:
+        line.on_run_end(False)
+
+
 @contextlib.contextmanager
 def replay_progress(what: str = "replaying"):
     """While inside, every replay (divergence.analysis.replayer.Replayer) shows a StepLine on a

@@ -16,6 +16,7 @@ def main(args) -> int:
     out = check_out(args.html, inputs=(args.a, args.b))
     a, b = open_pair(args.a, args.b)
     with a, b:
+        bisect_cmd.select_requests(args, a, b)
         report = bisect_cmd.build_report(args, a, b)
         line = write_page(report, a, b, out)
         if args.json:

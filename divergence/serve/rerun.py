@@ -62,13 +62,69 @@ def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], di
     return recorded, run, skipped
 
 
-def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model_dir=None, draft_dir=None):
-    """Write out_dir/<schedule>.h5; returns (its path, RunResult, skipped ids -> why)."""
+def prefix_sources(live, request_ids) -> dict[str, list[str]]:
+    """The requests whose K/V the requests `request_ids` read through the prefix cache, and
+    the ones theirs came from, to the requests that computed their own: source id -> the
+    ids that read it, sources in trace order. A re-run of `request_ids` alone would compute
+    those positions itself, in other steps of other shapes: its reference would not be the
+    one the whole re-run gives. Empty without a prefix cache."""
+    settings = live.meta.get("settings") or {}
+    if not settings.get("prefix_caching"):
+        return {}
+    chosen = list(dict.fromkeys(request_ids))
+    readers: dict[str, list[str]] = {}
+    todo = list(chosen)
+    while todo:
+        rid = todo.pop()
+        for src in _read_from(live, rid, settings):
+            if src not in chosen:
+                if src not in readers:
+                    todo.append(src)
+                readers.setdefault(src, []).append(rid)
+    order = {r.id: i for i, r in enumerate(live.requests)}
+    return {src: readers[src] for src in sorted(readers, key=order.get)}
+
+
+def _read_from(live, rid: str, settings: dict) -> set[str]:
+    """The requests whose writes `rid` inherited from the prefix cache: its K/V records of a
+    step it had no part in name the step that wrote them, whose slices name the writer. A
+    trace without K/V records: every earlier request with a full block of its prompt."""
+    if not live.has_kv_hashes:
+        bs = int(settings.get("block_size") or 16)
+        me = live.requests[live.request_index(rid)]
+        head = tuple(me.prompt_tokens[:bs])
+        return {r.id for r in live.requests if r.id != rid and len(head) == bs and r.arrival <= me.arrival
+                and tuple(r.prompt_tokens[:bs]) == head}
+    w = live.kv_write_rows(rid)
+    out: set[str] = set()
+    for step in np.unique(w["step"]):
+        plan = live.step_plan(int(step))
+        if any(s.request_id == rid for s in plan.slices):
+            continue  # its own computation
+        sel = w["step"] == step
+        for start, count in zip(w["start"][sel].tolist(), w["count"][sel].tolist()):
+            out.update(s.request_id for s in plan.slices
+                       if s.request_id != rid and s.start < start + count and start < s.start + s.count)
+    return out
+
+
+def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model_dir=None, draft_dir=None,
+          observers=()):
+    """Write out_dir/<schedule>.h5; returns (its path, RunResult, skipped ids -> why). With
+    request_ids, the requests whose prefix-cache blocks they read are re-run too (the
+    result's `prefix_sources`: source -> readers). observers: more engine observers (a
+    progress line)."""
     if schedule not in RERUN_SCHEDULES:
         raise PromptError(f"--schedule {schedule!r}: expected {' or '.join(RERUN_SCHEDULES)}")
     with Trace.open(live_path) as live:
+    sources: dict[str, list[str]] = {}
         meta = live.meta
         recorded, requests, skipped = plan_rerun(live, request_ids)
+        if request_ids is not None:
+            known = {r.id for r in live.requests}
+            if all(i in known for i in request_ids):  # (an unknown id: plan_rerun says so)
+                sources = prefix_sources(live, request_ids)
+                request_ids = list(dict.fromkeys(request_ids)) + list(sources)
         kv_hashes = live.has_kv_hashes
         vocab = live.vocab if meta["settings"].get("engine") == BATCH_GENERATOR else None
     if meta["settings"].get("engine") == BATCH_GENERATOR:  # served by mlx-lm: its engine is the reference
@@ -78,6 +134,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         result = rerun_batch_generator(live_path, meta, vocab, recorded, requests, skipped, out, schedule=schedule,
                                        chosen=request_ids, model_dir=model_dir)
         return out, result, skipped
+        result.prefix_sources = sources
     engine = Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
                                   model_dir=model_dir, draft_dir=draft_dir)
     validate(engine, requests)  # the rules `divergence run` applies
@@ -86,7 +143,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
     by_id = {r.id: r for r in requests}
     try:
         with TraceWriter(tmp, top_k=engine.top_k, kv_hashes=kv_hashes) as writer:
-            engine.observers = [writer]
+            engine.observers = [writer, *observers]
             run = CappedRun(engine, [by_id.get(r.id, r) for r in recorded], schedule, recorded, skipped,
                             of={"live": str(live_path), "requests": [r.id for r in requests] if request_ids else None})
             result = run.execute()
@@ -97,6 +154,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         engine.observers = []
     tmp.replace(path)
     return path, result, skipped
+    result.prefix_sources = sources
 
 
 def _out_dir(out_dir) -> Path:

@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 
 from ..core.request import Sampling
-from ..errors import TraceError
+from ..errors import DivergenceInputError, TraceError
 from . import schema as S
 from . import validate
 from .h5lock import H5_LOCK
@@ -38,6 +38,7 @@ class Trace(RecordViews):
         self.swmr = swmr  # opened as an SWMR reader: a live or killed run, whose datasets need refreshing
         self.version = int(f.attrs["schema_version"])
         self._cache: dict = {}
+        self.selected: frozenset | None = None  # select(): the requests an analysis compares (None: all)
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -181,6 +182,19 @@ class Trace(RecordViews):
         try:
             return idx[request_id]
         except KeyError:
+    def select(self, request_ids) -> "Trace":
+        """Restrict what diff, bisect and report compare to these requests (`--requests`);
+        the tables stay whole. An id the trace lacks is a DivergenceInputError. Returns self."""
+        ids = [str(i) for i in request_ids]
+        if not ids:
+            raise DivergenceInputError("--requests names no request")
+        known = self._once("request_index", lambda: {r.id: i for i, r in enumerate(self.requests)})
+        for rid in ids:
+            if rid not in known:
+                raise DivergenceInputError(f"--requests: no request {rid!r} in {self.path} ({len(known)} requests)")
+        self.selected = frozenset(ids)
+        return self
+
             raise KeyError(f"no request {request_id!r} in {self.path}") from None
 
     @property

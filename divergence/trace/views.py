@@ -88,11 +88,18 @@ class RecordViews:
         """For every (layer, position) of a request, the write live at `at_step` (the
         latest with step <= at_step: later writes overwrite rolled-back positions).
         Arrays layer, position, step, k_hash, v_hash, sorted by (layer, position)."""
+        w = self.kv_write_rows(request_id, model=model, at_step=at_step)
+        return live.kv_cells(w, self.kv_hashes(), np.arange(len(w["step"])))
+
+    def kv_write_rows(self, request_id: str, *, model: str = "target", at_step: int | None = None) -> dict:
+        """A request's K/V write records of one model (with step <= at_step), in record order,
+        codes as stored; a prefix hit's inherited writes among them, named by the step that wrote them."""
         w = self.kv_writes()
         sel = (w["request"] == self.request_index(request_id)) & (w["model"] == self.codes("models").index(model))
         if at_step is not None:
             sel &= w["step"] <= at_step
-        return live.kv_cells(w, self.kv_hashes(), np.flatnonzero(sel))
+        idx = np.flatnonzero(sel)
+        return {k: v[idx] for k, v in w.items()}
 
     def allreduces(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Tensor-parallel all-reduce records (all, or of one step), op / model / backend
