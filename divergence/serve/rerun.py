@@ -116,15 +116,15 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
     progress line)."""
     if schedule not in RERUN_SCHEDULES:
         raise PromptError(f"--schedule {schedule!r}: expected {' or '.join(RERUN_SCHEDULES)}")
-    with Trace.open(live_path) as live:
     sources: dict[str, list[str]] = {}
+    with Trace.open(live_path) as live:
         meta = live.meta
-        recorded, requests, skipped = plan_rerun(live, request_ids)
         if request_ids is not None:
             known = {r.id for r in live.requests}
             if all(i in known for i in request_ids):  # (an unknown id: plan_rerun says so)
                 sources = prefix_sources(live, request_ids)
                 request_ids = list(dict.fromkeys(request_ids)) + list(sources)
+        recorded, requests, skipped = plan_rerun(live, request_ids)
         kv_hashes = live.has_kv_hashes
         vocab = live.vocab if meta["settings"].get("engine") == BATCH_GENERATOR else None
     if meta["settings"].get("engine") == BATCH_GENERATOR:  # served by mlx-lm: its engine is the reference
@@ -133,8 +133,8 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         out = _out_dir(out_dir) / f"{schedule}.h5"
         result = rerun_batch_generator(live_path, meta, vocab, recorded, requests, skipped, out, schedule=schedule,
                                        chosen=request_ids, model_dir=model_dir)
-        return out, result, skipped
         result.prefix_sources = sources
+        return out, result, skipped
     engine = Engine.from_settings(meta["settings"], model=meta["model"], draft=meta.get("draft"),
                                   model_dir=model_dir, draft_dir=draft_dir)
     validate(engine, requests)  # the rules `divergence run` applies
@@ -153,8 +153,8 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
     finally:
         engine.observers = []
     tmp.replace(path)
-    return path, result, skipped
     result.prefix_sources = sources
+    return path, result, skipped
 
 
 def _out_dir(out_dir) -> Path:

@@ -177,11 +177,6 @@ class Trace(RecordViews):
             raise validate.damaged(self.path, f"/request_events row {i} names request {int(req[i])}, but /requests "
                                               f"holds {n}")
 
-    def request_index(self, request_id: str) -> int:
-        idx = self._once("request_index", lambda: {r.id: i for i, r in enumerate(self.requests)})
-        try:
-            return idx[request_id]
-        except KeyError:
     def select(self, request_ids) -> "Trace":
         """Restrict what diff, bisect and report compare to these requests (`--requests`);
         the tables stay whole. An id the trace lacks is a DivergenceInputError. Returns self."""
@@ -195,6 +190,11 @@ class Trace(RecordViews):
         self.selected = frozenset(ids)
         return self
 
+    def request_index(self, request_id: str) -> int:
+        idx = self._once("request_index", lambda: {r.id: i for i, r in enumerate(self.requests)})
+        try:
+            return idx[request_id]
+        except KeyError:
             raise KeyError(f"no request {request_id!r} in {self.path}") from None
 
     @property
