@@ -47,6 +47,7 @@ class Engine:
         prefill: str = WHOLE,
         overlap: bool = True,
         topk_values: str = LOGITS,
+        compiled_step: bool | None = None,
     ):
         """tp: the parallel.group.TensorParallel of this process's group (None: one device).
         prefill: where the prompt's last token is computed, "whole" (in the prefill) or
@@ -55,7 +56,9 @@ class Engine:
         overlap: queue the next step while one computes (results are bitwise the same;
         off only to measure what it buys).
         topk_values: what the top-k records hold, "logits" or mlx-lm's "logprobs" (a replay of
-        a BatchGenerator trace compares with its log-probs)."""
+        a BatchGenerator trace compares with its log-probs).
+        compiled_step: run plain native decode steps as compiled graphs (the same bits;
+        None: where proved, model/compiled_step.py)."""
         self.target = target
         self.draft = draft if spec_k > 0 else None
         if spec_k > 0 and draft is None:
@@ -81,8 +84,8 @@ class Engine:
         self.stop_at_eos = stop_at_eos
         self.observers = list(observers)
         self.overlap = overlap
-        self._target_fwd = PackedForward(target)
-        self._draft_fwd = PackedForward(self.draft) if self.draft else None
+        self._target_fwd = PackedForward(target, compiled=compiled_step)
+        self._draft_fwd = PackedForward(self.draft, compiled=compiled_step) if self.draft else None
         # the columns the draft proposes from (its head may be padded otherwise than the target's)
         self.draft_width = None
         if self._draft_fwd is not None:
@@ -169,12 +172,19 @@ class Engine:
         return Run(self, requests, schedule, forced=forced, recorded=True)
 
     # -- events -------------------------------------------------------------------------
-    def _emit(self, method: str, *args) -> None:
+    def emit(self, event: str, *args, only: str | None = None, **columns) -> None:
+        """The engine's one way out: call `event` (a core.events.Observer method name) on
+        each observer; `only`: on those whose attribute of that name is true (on_record goes
+        to observers that want records)."""
         for ob in self.observers:
-            getattr(ob, method)(*args)
+            if only is None or getattr(ob, only, False):
+                getattr(ob, event)(*args, **columns)
 
-    def _wants(self, attr: str) -> bool:
+    def wants(self, attr: str) -> bool:
+        """Whether an observer asks for the work `attr` names (Observer.wants_kv_hashes, ...)."""
         return any(getattr(ob, attr, False) for ob in self.observers)
+
+    _wants = wants  # (engine/replay.py's name for it)
 
 
 def _load(path, info: dict | None, dtype, what: str) -> LoadedModel:

@@ -99,6 +99,21 @@ class KernelDispatcher:
         self._native = native and self.emit is not None  # the same, each op recorded (see __call__)
 
     @property
+    def all_native(self) -> bool:
+        """Does every linear op of this step run its module's own call (native, nothing forced,
+        one device)? Then a compiled step may run them (model/compiled_step.py)."""
+        return self._plain or self._native
+
+    @property
+    def recording(self) -> bool:
+        """Are this step's native ops recorded (an emit is set)? See record_native."""
+        return self._native
+
+    def record_native(self, op: LinearOp, layer: int, m: int, dtype) -> None:
+        """The record of a native op a compiled step ran: what __call__ records for it."""
+        self._record(op, layer, m, NATIVE, 1, dtype)
+
+    @property
     def step(self) -> int:
         """The step being executed (ops outside this module record it too: MoE experts)."""
         return self._step

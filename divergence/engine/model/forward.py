@@ -27,6 +27,7 @@ from .layers import LayerOps, Tap, mlp_block
 from ..kernels.dispatch import KernelDispatcher
 from ..kernels.linear import LinearOp
 from ..sched.blocks import BlockManager
+from .compiled_step import CompiledDecode, default_on as compiled_default_on
 from .kv_cache import PagedKVCache
 from .loading import LoadedModel
 from .moe import LayerRouting, moe_module
@@ -70,7 +71,8 @@ class StepOutput:
 
 
 class PackedForward:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, compiled: bool | None = None):
+        """compiled: run plain decode steps compiled (None: compiled_step.default_on())."""
         lm = loaded.model
         self.loaded = loaded
         self.inner = lm.model
@@ -100,6 +102,16 @@ class PackedForward:
         # memos of the native kernels' class signatures, shared by every run of this forward
         self.native_classes = NativeClassProbe(weights=loaded.weights_hash)
         self.attention_classes = AttentionClassProbe()
+        # decode steps traced once per batch size and replayed (compiled_step.py); None: eager
+        self.compiled: CompiledDecode | None = None
+        self.set_compiled(compiled_default_on() if compiled is None else compiled)
+
+    def set_compiled(self, on: bool) -> None:
+        """Run plain native decode steps compiled (same bits: compiled_step.py) or eager."""
+        if not on:
+            self.compiled = None
+        elif self.compiled is None:
+            self.compiled = CompiledDecode(self)
 
     @property
     def num_layers(self) -> int:
@@ -131,53 +143,29 @@ class PackedForward:
                 keep_kv: bool = False, keep_routing: bool = False, tap: Tap | None = None) -> StepOutput:
         """Build the step's graph (lazy): logits of the logit rows, K/V written in place."""
         dispatch.begin_step(prep.plan.index)
-        T, H, KV, hd = prep.rows, self.n_heads, self.n_kv_heads, self.head_dim
+        T, KV, hd = prep.rows, self.n_kv_heads, self.head_dim
         real = prep.real_rows  # padded rows (`padded`): taps, K/V and routing records see the plan's rows only
         if real is not None and tap is not None:
             tap = _real_rows_tap(tap, real, T)
+        rotation = self._rotation(prep)
+        if self.compiled is not None and self.compiled.usable(prep, dispatch, tap=tap, keep_routing=keep_routing):
+            logits, k_all, v_all = self.compiled.run(prep, cache, dispatch, rotation, keep_kv=keep_kv, tap=tap)
+            return StepOutput(logits, k_all, v_all)
         k_layers, v_layers = [], []
         routing = [] if keep_routing else None
         h = self.embed(prep.tokens)
-        rotation = self._rotation(prep)
-        for li, parts in enumerate(self.parts):
-            ops = self.ops[li]
-            x = parts.input_norm(h)
-            q, k, v = dispatch(x, ops.q, li), dispatch(x, ops.k, li), dispatch(x, ops.v, li)
-            if tap is not None:
-                tap(li, "input_layernorm", x)
-                tap(li, "q_proj", q)
-                tap(li, "k_proj", k)
-                tap(li, "v_proj", v)
-            # [T, heads, 1, hd]: the layout RoPE and attention take, in one reshape; v as the
-            # cache's write takes it with no further reshape (slice update / scatter)
-            q, k = q.reshape(T, H, 1, hd), k.reshape(T, KV, 1, hd)
-            v = v.reshape(T, KV, 1, hd) if prep.write_start is not None else v.reshape(T, KV, hd)
-            if self.has_qk_norm:  # over the last axis: the same bits in either layout
-                q, k = parts.q_norm(q), parts.k_norm(k)
-                if tap is not None:
-                    tap(li, "q_norm", q.reshape(T, H, hd))
-                    tap(li, "k_norm", k.reshape(T, KV, hd))
-            q, k = self._rope(parts.rope, q, prep, rotation), self._rope(parts.rope, k, prep, rotation)
-            if tap is not None:
-                tap(li, "q_rope", q.reshape(T, H, hd))
-                tap(li, "k_rope", k.reshape(T, KV, hd))
+
+        def rope(module, x):
+            return self._rope(module, x, prep, rotation)
+
+        for li in range(self.num_layers):
+            q, k, v = self.pre_attention(li, h, dispatch, rope, tap, v_rows=prep.write_start is not None)
             cache.write(li, prep.write_slots, k, v, start=prep.write_start)
             if keep_kv:
                 k_layers.append(k)
                 v_layers.append(v)
             a = dispatch.attend(prep, li, q, cache, self.scale)
-            o = dispatch(a, ops.o, li)
-            h = h + o
-            if tap is not None:
-                tap(li, "attention", a)
-                tap(li, "o_proj", o)
-                tap(li, "attn_residual", h)
-            x = parts.post_norm(h)
-            if tap is not None:
-                tap(li, "post_attention_layernorm", x)
-            h = h + self.mlps[li](x, dispatch, li, routing, tap=tap)
-            if tap is not None:
-                tap(li, "mlp_residual", h)
+            h = self.post_attention(li, a, h, dispatch, routing, tap)
         if prep.logit_rows:
             if prep.logit_index is None or self._needed_rows_only(prep, h, dispatch):
                 xn = self.final_norm(h if prep.logit_index is None else h[prep.logit_index])
@@ -200,6 +188,54 @@ class PackedForward:
                 k_all, v_all = k_all[:, real], v_all[:, real]
             return StepOutput(logits, k_all, v_all, routing)
         return StepOutput(logits, routing=routing)
+
+    def pre_attention(self, li: int, h: mx.array, dispatch, rope, tap: Tap | None = None, *,
+                      v_rows: bool = True) -> tuple[mx.array, mx.array, mx.array]:
+        """Layer li from the residual stream to attention's inputs: q, k [T, heads, 1, hd] after
+        the input norm, the projections, q/k norms and `rope(module, x)`; v [T, KV, 1, hd]
+        (v_rows) or [T, KV, hd], as the cache's write takes it (slice update / scatter).
+        `dispatch(x, op, layer)` runs each linear op (the dispatcher, or compiled_step's tracer)."""
+        parts, ops = self.parts[li], self.ops[li]
+        T, H, KV, hd = h.shape[0], self.n_heads, self.n_kv_heads, self.head_dim
+        x = parts.input_norm(h)
+        q, k, v = dispatch(x, ops.q, li), dispatch(x, ops.k, li), dispatch(x, ops.v, li)
+        if tap is not None:
+            tap(li, "input_layernorm", x)
+            tap(li, "q_proj", q)
+            tap(li, "k_proj", k)
+            tap(li, "v_proj", v)
+        # [T, heads, 1, hd]: the layout RoPE and attention take, in one reshape; v as the
+        # cache's write takes it with no further reshape (slice update / scatter)
+        q, k = q.reshape(T, H, 1, hd), k.reshape(T, KV, 1, hd)
+        v = v.reshape(T, KV, 1, hd) if v_rows else v.reshape(T, KV, hd)
+        if self.has_qk_norm:  # over the last axis: the same bits in either layout
+            q, k = parts.q_norm(q), parts.k_norm(k)
+            if tap is not None:
+                tap(li, "q_norm", q.reshape(T, H, hd))
+                tap(li, "k_norm", k.reshape(T, KV, hd))
+        q, k = rope(parts.rope, q), rope(parts.rope, k)
+        if tap is not None:
+            tap(li, "q_rope", q.reshape(T, H, hd))
+            tap(li, "k_rope", k.reshape(T, KV, hd))
+        return q, k, v
+
+    def post_attention(self, li: int, a: mx.array, h: mx.array, dispatch, routing: list | None = None,
+                       tap: Tap | None = None) -> mx.array:
+        """Layer li from attention's output [T, heads * hd] to the next residual stream."""
+        parts = self.parts[li]
+        o = dispatch(a, self.ops[li].o, li)
+        h = h + o
+        if tap is not None:
+            tap(li, "attention", a)
+            tap(li, "o_proj", o)
+            tap(li, "attn_residual", h)
+        x = parts.post_norm(h)
+        if tap is not None:
+            tap(li, "post_attention_layernorm", x)
+        h = h + self.mlps[li](x, dispatch, li, routing, tap=tap)
+        if tap is not None:
+            tap(li, "mlp_residual", h)
+        return h
 
     def _needed_rows_only(self, prep: PreparedStep, h: mx.array, dispatch: KernelDispatcher) -> bool:
         """May the head compute only the rows whose logits are needed? Always for several rows

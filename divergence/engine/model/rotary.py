@@ -75,6 +75,15 @@ class StepRotation:
         # its four products, in every call (the same values either way)
         self._wide: dict[tuple, tuple[mx.array, mx.array]] = {}
 
+    @classmethod
+    def of_table(cls, rope: nn.Module, head_dim: int, cos: mx.array, sin: mx.array) -> "StepRotation":
+        """The rotation of a table made before (its cos / sin as this class holds them): a
+        compiled step takes them as inputs (compiled_step.py)."""
+        self = cls.__new__(cls)
+        self.dims, self.whole_head = rope.dims, rope.dims == head_dim
+        self.cos, self.sin, self._wide = cos, sin, {}
+        return self
+
     def _broadcast(self, shape: tuple) -> tuple[mx.array, mx.array]:
         wide = self._wide.get(shape)
         if wide is None:
