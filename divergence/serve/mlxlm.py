@@ -36,6 +36,7 @@ from ..record.contract import CONTRACT_VERSION
 from ..trace.writer import TraceWriter
 from ..workloads.mlxlm_batch import ENGINE_NAME, _kv_taps, _Tap  # (the adapter's proxy and cache taps)
 from .live import CANCELLED, STOP, Deliver, LiveRequest
+from .private import TRACE_MODE
 from .worker import EngineWorker
 
 PREFILL_STEP = 2048  # mlx_lm.server's prefill_step_size
@@ -208,7 +209,7 @@ class MlxLmWorker(EngineWorker):
     def _run_segment(self) -> None:
         path = self._next_path()
         rotate = self._rotation(path)
-        writer = TraceWriter(path, top_k=self.engine.top_k, kv_hashes=self.kv_hashes)
+        writer = TraceWriter(path, top_k=self.engine.top_k, kv_hashes=self.kv_hashes, mode=TRACE_MODE)
         deliver = Deliver()
         self._deliver = deliver
         run = BatchGeneratorRun(self.engine, self, writer, deliver, rotate)

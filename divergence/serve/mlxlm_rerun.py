@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import BatchGenerator
 
-from ..core.atomic import temp_name
 from ..core.names import SERIAL
 from ..engine import sampling as smp
 from ..engine.kernels.environment import environment
@@ -25,6 +24,7 @@ from ..errors import PromptError
 from ..record import Recorder
 from ..workloads.mlxlm_batch import ENGINE_NAME, _kv_taps, _Tap
 from .mlxlm import COMPLETION_BATCH, PREFILL_BATCH, PREFILL_STEP, settings
+from .private import private_place, publish
 
 SAMPLED = "sampled: mlx-lm draws from one global random state, so its tokens cannot be drawn again"
 LIVE_LENGTH = "live-length"  # a finish where the live request ended (a stop string, a client gone)
@@ -70,32 +70,33 @@ def rerun_batch_generator(live_path, meta: dict, vocab, recorded, requests, skip
                     "rerun": {"live": str(live_path), "requests": subset}}
     for key in ("engine", "policy", "top_k", "kv_hash", "recording_contract"):  # (the Recorder adds its own)
         run_settings.pop(key, None)
-    tmp = temp_name(path, "partial")
-    rec = Recorder(tmp, engine=ENGINE_NAME, schedule=SERIAL, requests=recorded, top_k=top_k, policy="native",
-                   model=loaded.describe(), settings=run_settings, environment=environment(),
-                   vocab=list(vocab) if vocab else None)
-    prompts, rid = {}, {}
-    tap = _Tap(loaded.model, prompts, rid, rec)
-    as_asked = {r.id: r.max_tokens for r in recorded}
-    eos = sorted(int(t) for t in getattr(loaded.tokenizer, "eos_token_ids", None) or ())
-    stops = [[t] for t in eos] if s.get("stop_at_eos") and eos else None
-    gen = BatchGenerator(tap, stop_tokens=stops, completion_batch_size=COMPLETION_BATCH,
-                         prefill_batch_size=PREFILL_BATCH, prefill_step_size=PREFILL_STEP)
-    out = Result()
-    t0 = time.perf_counter()
-    try:
+    # the Recorder names its own partial file beside tmp: a private directory keeps both to their owner
+    with private_place(path) as tmp:
+        rec = Recorder(tmp, engine=ENGINE_NAME, schedule=SERIAL, requests=recorded, top_k=top_k, policy="native",
+                       model=loaded.describe(), settings=run_settings, environment=environment(),
+                       vocab=list(vocab) if vocab else None)
+        prompts, rid = {}, {}
+        tap = _Tap(loaded.model, prompts, rid, rec)
+        as_asked = {r.id: r.max_tokens for r in recorded}
+        eos = sorted(int(t) for t in getattr(loaded.tokenizer, "eos_token_ids", None) or ())
+        stops = [[t] for t in eos] if s.get("stop_at_eos") and eos else None
+        gen = BatchGenerator(tap, stop_tokens=stops, completion_batch_size=COMPLETION_BATCH,
+                             prefill_batch_size=PREFILL_BATCH, prefill_step_size=PREFILL_STEP)
+        out = Result()
+        t0 = time.perf_counter()
         try:
-            with _kv_taps(tap):
-                for r in greedy:
-                    _one(gen, tap, rec, r, as_asked[r.id], prompts, rid, out.outputs.setdefault(r.id, []), top_k)
-        finally:
-            gen.close()
-        rec.close(completed=True)
-        tmp.replace(path)
-    except BaseException:
-        rec._closed = True  # (nothing more to write: the partial file goes)
-        tmp.unlink(missing_ok=True)
-        raise
+            try:
+                with _kv_taps(tap):
+                    for r in greedy:
+                        _one(gen, tap, rec, r, as_asked[r.id], prompts, rid, out.outputs.setdefault(r.id, []), top_k)
+            finally:
+                gen.close()
+            rec.close(completed=True)
+            publish(tmp, path)
+        except BaseException:
+            rec._closed = True  # (nothing more to write: the partial file goes)
+            tmp.unlink(missing_ok=True)
+            raise
     out.seconds = time.perf_counter() - t0
     out.generated_tokens = sum(len(t) for t in out.outputs.values())
     out.steps = out.target_steps = tap.step

@@ -20,6 +20,7 @@ from ..errors import DivergenceInputError, PromptError
 from ..trace.reader import Trace
 from ..trace.writer import TraceWriter
 from ..workloads.runner import partial_name, validate
+from .private import TRACE_MODE, make_dir
 
 RERUN_SCHEDULES = BASE_SCHEDULES  # a live trace is concurrent; warm's warm-up is not its traffic
 NOT_CHOSEN = "not in --requests"  # a left-out request that had tokens live: diff reports it missing
@@ -142,7 +143,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
     tmp = partial_name(path)
     by_id = {r.id: r for r in requests}
     try:
-        with TraceWriter(tmp, top_k=engine.top_k, kv_hashes=kv_hashes) as writer:
+        with TraceWriter(tmp, top_k=engine.top_k, kv_hashes=kv_hashes, mode=TRACE_MODE) as writer:
             engine.observers = [writer, *observers]
             run = CappedRun(engine, [by_id.get(r.id, r) for r in recorded], schedule, recorded, skipped,
                             of={"live": str(live_path), "requests": [r.id for r in requests] if request_ids else None})
@@ -160,7 +161,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
 def _out_dir(out_dir) -> Path:
     out = Path(out_dir)
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        make_dir(out)
     except OSError as e:
         raise DivergenceInputError(f"cannot create --out {out}: {e.strerror or e}") from None
     return out

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..trace.writer import TraceWriter
 from .live import Deliver, Inbox, LiveRequest, LiveRun
+from .private import TRACE_MODE, make_dir
 
 log = logging.getLogger("divergence.serve")
 
@@ -71,7 +72,7 @@ class EngineWorker:
         """Serve segments until stop() (from another thread or a signal handler) and drained.
         An engine failure fails the requests in flight, refuses new ones (503), and is raised."""
         try:
-            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            make_dir(self.trace_dir)
             while True:
                 self._run_segment()
                 if self.inbox.stopping and not self.inbox.pending():
@@ -90,7 +91,7 @@ class EngineWorker:
         path = self._next_path()
         rotate = self._rotation(path)
         e = self.engine
-        writer = TraceWriter(path, top_k=e.top_k, kv_hashes=self.kv_hashes)
+        writer = TraceWriter(path, top_k=e.top_k, kv_hashes=self.kv_hashes, mode=TRACE_MODE)
         deliver = Deliver()
         e.observers = [writer, deliver]  # before the run: it asks them what to record (KV hashes, kernels, ...)
         run = LiveRun(e, self.inbox, deliver, writer=writer, rotate=rotate, on_ready=lambda: self._segment_ready(path),

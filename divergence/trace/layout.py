@@ -159,13 +159,14 @@ MAX_SKELETONS = 4  # (a 152k vocabulary's skeleton is ~1.5 MB)
 
 
 def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes: dict,
-           widths: dict, dtypes: dict[str, np.dtype]) -> tuple[h5py.File, dict, "Commit"]:
+           widths: dict, dtypes: dict[str, np.dtype], mode: int | None = None) -> tuple[h5py.File, dict, "Commit"]:
     """A new trace file in SWMR mode with every table created, of the record `dtypes` the
     writer encodes into (schema.record_dtype at `widths`): (file, tables, commit).
     Made under a temporary name and renamed once in SWMR mode, so that a reader never
     opens it half made (HDF5 refuses that file with a lock error). Everything but the
     `created` time is the skeleton's (see _SKELETONS): the same header always gives a file
-    that reads the same, whether it was built here or copied."""
+    that reads the same, whether it was built here or copied. mode: the file's permission
+    bits from its creation on (0o600: a trace of users' prompts), else the umask's."""
     args = dict(top_k=top_k, kv_hashes=kv_hashes, kv_hash=kv_hash, codes=codes, widths=widths, dtypes=dtypes)
     key = _skeleton_key(info, args)
     tmp = temp_name(path, "new")  # unique: two writers of one path never share it
@@ -173,10 +174,10 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
     try:
         got = _SKELETONS.get(key)
         if got is None or got[0] is not info.vocab:  # (the vocabulary is keyed by identity: held here)
-            got = _SKELETONS[key] = (info.vocab, _skeleton(temp_name(path, "skel"), info, args))
+            got = _SKELETONS[key] = (info.vocab, _skeleton(temp_name(path, "skel"), info, args, mode))
             while len(_SKELETONS) > MAX_SKELETONS:
                 _SKELETONS.pop(next(iter(_SKELETONS)))
-        tmp.write_bytes(got[1])
+        _new_file(tmp, mode, got[1])
         f = h5py.File(tmp, "r+", libver="latest")
         _set_created(f)
         f.swmr_mode = True  # no new objects or attributes from here on
@@ -214,9 +215,22 @@ def _chunk_rows(dt: np.dtype) -> int:
     return max(16, S.CHUNK_BYTES // dt.itemsize)
 
 
-def _skeleton(tmp: Path, info, args: dict) -> bytes:
+def _new_file(path: Path, mode: int | None, data: bytes = b"") -> None:
+    """Create `path` (it must not exist) holding `data`, with `mode` from the start (no
+    moment where the umask's bits let another user open it); None: the umask's."""
+    if mode is None:
+        path.write_bytes(data)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+    with open(fd, "wb") as f:
+        f.write(data)
+
+
+def _skeleton(tmp: Path, info, args: dict, mode: int | None = None) -> bytes:
     """The bytes of a closed file holding the run's whole header and its empty tables."""
     try:
+        if mode is not None:
+            _new_file(tmp, mode)  # (h5py's "w" truncates it, keeping its mode)
         with h5py.File(tmp, "w", libver="latest") as f:
             _fill(f, info, **args)
         return tmp.read_bytes()

@@ -53,6 +53,7 @@ class TraceWriter(Observer):
     kv_hash: the name of the 64-bit hash in /kv_hashes (another engine may use its own);
     ops / kernels: names beyond the core tables (another engine's own op and kernel
     labels), appended to the file's code tables: readers decode with the file's tables.
+    mode: the trace's permission bits from its creation on (the server's 0o600), else the umask's.
     """
 
     wants_kernels = True
@@ -60,8 +61,9 @@ class TraceWriter(Observer):
     wants_records = True
 
     def __init__(self, path, *, top_k: int = 8, kv_hashes: bool = True, kv_hash: str = S.HASH_NAME, ops=(),
-                 kernels=(), widths: dict | None = None, background: bool = True):
+                 kernels=(), widths: dict | None = None, background: bool = True, mode: int | None = None):
         self.path = Path(path)
+        self.mode = mode
         self.top_k = top_k
         self.wants_kv_hashes = kv_hashes
         self.kv_hash = kv_hash
@@ -109,7 +111,7 @@ class TraceWriter(Observer):
         dtypes = {name: S.record_dtype(t, widths) for name, t in S.TABLES.items()}
         self._create = lambda: layout.create(self.path, info, top_k=self.top_k, kv_hashes=self.wants_kv_hashes,
                                              kv_hash=self.kv_hash, codes=self.code_tables, widths=widths,
-                                             dtypes=dtypes)
+                                             dtypes=dtypes, mode=self.mode)
         self._req_index = {r.id: i for i, r in enumerate(info.requests)}
         self._encoder = Encoder(dtypes, self._req_index, self.code_tables)
         self._last_write = self._last_handoff = time.perf_counter()
