@@ -20,6 +20,7 @@ from ..engine.kernels.blas import blas_core, blas_in_use, blas_threads, using_bl
 from ..errors import EnvironmentMismatchError, PolicyError, ReplayError
 from ..parallel.env import is_writer
 from ..trace.reader import Trace
+from ..trace.redact import is_redacted
 from ..trace.writer import TraceWriter
 # the confirmation logic lives in analysis.confirm, forcing's words in force_spec and the
 # report in fidelity (all engine-free); their names stay importable from the replayer too
@@ -62,7 +63,11 @@ def check_this_process(trace, want: dict | None = None) -> None:
 def check_replayable(trace) -> None:
     """Replay re-executes divergence's own engine: it takes traces of that engine, and of
     the engines it can stand in for (core.names.REPLAYABLE_ENGINES: mlx-lm's BatchGenerator,
-    whose step plans it runs with BatchGenerator's prefill layout); others are refused."""
+    whose step plans it runs with BatchGenerator's prefill layout); others are refused, and so
+    is a redacted trace (its token ids are not the model's)."""
+    if is_redacted(trace):
+        raise ReplayError(f"{trace.path} is redacted (divergence redact): its token ids are permuted, and a replay "
+                          f"needs the real ones; replay, or bisect --confirm, the original traces")
     engine = trace.meta.get("settings", {}).get("engine")
     if engine and engine not in REPLAYABLE_ENGINES:
         raise ReplayError(f"{trace.path} was recorded by {engine}; replay (and bisect --confirm) re-runs "

@@ -18,7 +18,7 @@ from .common import default_model_dirs
 from .reexec import run_under_recorded_environment, run_under_requested_core
 
 SUBCOMMANDS = ("run", "diff", "bisect", "report", "replay", "browse", "sweep", "probe", "import", "serve", "rerun",
-               "explain")
+               "explain", "redact")
 
 
 BAD_INPUT = "bad input (one line on stderr, nothing written)"
@@ -44,6 +44,7 @@ EXIT_CODES = {
     "explain": {0: "the requests are identical to their serial re-run",
                 1: "a request diverged from its serial re-run (the report says why, and whether replay confirmed it)",
                 2: BAD_INPUT},
+    "redact": {0: "the redacted copies were written", 2: BAD_INPUT},
 }
 
 

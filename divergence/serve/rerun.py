@@ -18,6 +18,7 @@ from ..engine.engine import Engine
 from ..engine.run import Run
 from ..errors import DivergenceInputError, PromptError
 from ..trace.reader import Trace
+from ..trace.redact import is_redacted
 from ..trace.writer import TraceWriter
 from ..workloads.runner import partial_name, validate
 from .private import TRACE_MODE, make_dir
@@ -119,6 +120,9 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         raise PromptError(f"--schedule {schedule!r}: expected {' or '.join(RERUN_SCHEDULES)}")
     sources: dict[str, list[str]] = {}
     with Trace.open(live_path) as live:
+        if is_redacted(live):
+            raise DivergenceInputError(f"{live_path} is redacted (divergence redact): its token ids are permuted, "
+                                       f"and a re-run needs the real prompts; re-run the original trace")
         meta = live.meta
         if request_ids is not None:
             known = {r.id for r in live.requests}

@@ -45,8 +45,9 @@ CASES = {
     ("import", "--out"): lambda a, b, rec, v: ["import", rec, "--out", v],
     ("run", "--out"): lambda a, b, rec, v: ["run", "--out", v.parent, "--schedules", "serial", "--max-tokens", "2"],
     ("rerun", "--out"): lambda a, b, rec, v: ["rerun", a, "--out", v.parent],
+    ("redact", "--out"): lambda a, b, rec, v: ["redact", a, b, "--out", v.parent],
 }
-IN_A_DIR = {("run", "--out"): "serial.h5", ("rerun", "--out"): "serial.h5"}
+IN_A_DIR = {("run", "--out"): "serial.h5", ("rerun", "--out"): "serial.h5", ("redact", "--out"): "serial.h5"}
 # output options that never meet an existing file, and why
 EXEMPT = {("serve", "--trace-dir"): "a directory; each live trace gets a new name (live-STAMP-N.h5)",
           ("replay", "--tap-out"): "internal: the parent process names a fresh temporary file"}
