@@ -3,8 +3,8 @@
 Once main() has returned, what the process owes anyone is done: traces are renamed into
 place and the report is written. So the command leaves with os._exit and skips the
 interpreter's teardown:
-- freeing a model's arrays and modules one by one: ~0.2 s on the 0.5B shape in fp32, 1.6 % of
-  a whole `divergence run` there;
+- freeing a model's arrays and modules one by one, a visible share of a short run's wall time
+  for a large model;
 - OpenBLAS 0.3.21's exit handler, which can deadlock joining its worker threads (mlx-lm's
   BatchGenerator script hung so in 1 run of 5 in fp32: bench/bench_process.py).
 

@@ -2,11 +2,10 @@
 
 One call hashes every row of a step (K and V together: kv_events.StepKv). Each row is one
 call of xxhash's C xxh3: a numpy form of xxh3 over all rows at once gives the same hashes
-but is several times slower than these calls (bench/bench_hashing.py measures both). The
+but is slower than these calls (it runs xxh3's rounds as whole-array numpy ops). The
 rows are the rows of a 2-D uint8 array, handed to xxh3 by `map` in C: no Python bytecode
 runs per row, and no per-row object is made beyond numpy's row view (byte ranges as slice
-objects of a memoryview took 1.7x as long for a prefill step's rows, building the slices
-most of it).
+objects of a memoryview cost more, building the slices most of it).
 """
 from __future__ import annotations
 

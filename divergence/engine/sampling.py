@@ -118,9 +118,9 @@ def device_topk(src: mx.array, k: int) -> tuple[tuple, mx.array, int]:
 
     On a GPU the values are read by flat gathers (_take_rows), not take_along_axis: on first
     use MLX CUDA compiles a kernel module per primitive and dtype pair, and take_along_axis's
-    (GatherAxis, every rank and layout variant) took ~10 s each for the two pairs this
-    needed on an H200 (bench/results/cuda/host_profile_compile.txt). A gather moves values:
-    the same bits either way."""
+    (GatherAxis, every rank and layout variant) made most of a fresh GPU machine's first run
+    (bench/first_run.py; docs/performance.md), where a flat gather is a module the model
+    needs anyway. A gather moves values: the same bits either way."""
     rows, vocab = src.shape
     if vocab % CHUNK or vocab // CHUNK <= k:
         ids = mx.argpartition(src, kth=vocab - k, axis=-1)[:, vocab - k :]
@@ -136,8 +136,8 @@ def _take_rows(a: mx.array, idx: mx.array) -> mx.array:
     """[R, j]: a[r, idx[r, i]] of [R, n] `a` (idx uint32). On a GPU one gather of `a`'s rows
     laid end to end, at idx plus each row's start (see device_topk); elsewhere, and where
     that many elements would overflow uint32 indices (2**32: over 28,000 rows of a
-    151,936-word vocabulary), take_along_axis: the CPU compiles nothing, and there the flat
-    form's two more graph nodes cost ~15 us a fixture step. The same values either way."""
+    151,936-word vocabulary), take_along_axis: the CPU compiles nothing, so there the flat
+    form's two more graph nodes would be cost without gain. The same values either way."""
     rows, width = a.shape
     if rows * width >= 2**32 or not flat_gathers():
         return mx.take_along_axis(a, idx, axis=-1)
@@ -182,7 +182,7 @@ class Sampled:
         """A token's (logit_of, probability): the probability under the request's sampler
         where the row samples, else the plain softmax (what logprobs report); NaN where the
         host cannot tell. One lookup of the logit for both (a committed token's event takes
-        both: ~1.5 us a token less than two calls with numpy scalars)."""
+        both, once per token: plain floats, not numpy scalars, on that hot path)."""
         logit = self.logit_of(row, token)
         if sampling is not None and not sampling.greedy and row in self.full:
             return logit, float(probs(self.full[row], sampling)[token])

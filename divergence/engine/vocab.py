@@ -1,8 +1,8 @@
 """The vocabulary as traces store it: each token id decoded alone, so that readers need no
-tokenizer. Decoding 152k ids costs ~0.11 s (the tokenizers backend in one batch call), which
-every traced process paid before its first step; the pieces depend only on the tokenizer's
-files, so they are kept in the user cache dir under a digest of those files, and a later
-process reads them back (a JSON list: ~0.05 s for 152k). With DIVERGENCE_PROOF_CACHE=off,
+tokenizer. Decoding a large vocabulary is a visible part of a traced process's start-up,
+paid before its first step; the pieces depend only on the tokenizer's files, so they are
+kept in the user cache dir under a digest of those files, and a later process reads them
+back (a JSON list, cheaper to read than to decode). With DIVERGENCE_PROOF_CACHE=off,
 or where the cache cannot be read or written, they are decoded as before."""
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ def _cache_file(loaded: LoadedModel, n: int) -> Path | None:
 
 
 def decode_each(loaded: LoadedModel, n: int) -> list[str]:
-    """Each token id decoded alone: the tokenizers backend in one batch call (0.11 vs 0.32 s
-    on a 152k vocabulary here), if it agrees with the wrapper's own decode on a spread of
+    """Each token id decoded alone: the tokenizers backend in one batch call (one trip into
+    Rust instead of one per id), if it agrees with the wrapper's own decode on a spread of
     ids and the last ones (special tokens); else id by id."""
     hf = getattr(loaded.tokenizer, "_tokenizer", None)
     backend = getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tokenizer", None)

@@ -357,8 +357,8 @@ class Encoder:
 
 def _records(rows: list[tuple], dt: np.dtype) -> np.ndarray:
     """np.array(rows, dt) for rows of scalars, a column at a time (numpy packs a tuple into a
-    compound record field by field through generic code: ~3x the time of np.fromiter per
-    column); anything fromiter refuses goes the generic way, as before."""
+    compound record field by field through generic code, where np.fromiter fills a column in
+    C); anything fromiter refuses goes the generic way, as before."""
     n = len(rows)
     if n < 16:
         return np.array(rows, dt)
@@ -386,8 +386,8 @@ def _hashes(arrs: list, n: int) -> np.ndarray:
 
 def _stacked(vals: list, width: tuple):
     """vals as one [n, w] array when every row has the shape `width` (else vals as given), in
-    one concatenation: np.stack expands every row in Python first, ~3.5x the time for a run's
-    256 top-k rows of 8."""
+    one concatenation: np.stack expands every row in Python first, which costs more than the
+    copy itself for a run's many small top-k rows."""
     if set(map(np.shape, vals)) != {width}:  # ragged rows, or not arrays
         return vals
     try:

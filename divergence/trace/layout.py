@@ -2,7 +2,7 @@
 
 A table is a compressed compound dataset (its body; /kv_hashes' uncompressed) plus two uncompressed tail
 slots: appending a few records to a compressed chunk would rewrite the chunk
-elsewhere in the file at every flush (a 0.5B-shaped run's file grew 7x that way),
+elsewhere in the file at every flush (the file then grows by every rewritten chunk),
 so the body only ever gets whole chunks, each compressed once, and the rows after
 the last whole chunk go to a tail slot, written in place. /commit names, per table,
 the body rows, the tail rows and the slot, and is written last; closing moves the
@@ -33,14 +33,14 @@ class TableFile:
     overwritten in place; the commit record says which slot holds how many.
 
     Its datasets are opened at their first write (a run writes a third of the tables, and a
-    short one no tail slot; each open costs 30-140 us). `extend` may run between commits
+    short one no tail slot, and an HDF5 open is not free). `extend` may run between commits
     (the flush thread, while the engine computes): the body grows past what the last commit
     names, which readers never read, and the committed slot is left as it is until
     `write_tail` fills the other one."""
 
     def __init__(self, fid, tails_id, name: bytes, rows: int, dtype: np.dtype):
         """rows, dtype: the body's chunk rows and record dtype, as create() made it (reading
-        them back from h5py costs ~50 us each, on the engine's time at run start)."""
+        them back from h5py is an HDF5 call each, on the engine's time at run start)."""
         self._where = (fid, tails_id, name)
         self.body = self.tail_ds = None
         self.rows = rows
@@ -96,8 +96,8 @@ class TableFile:
 
 def _write_at(ds, at: tuple, rows: np.ndarray) -> None:
     """ds[at[0], at[1]:at[1] + n] = rows (1-D records; ds a low-level DatasetID): the
-    high-level selection costs ~150 us a write, a dozen writes per flush; and the memory
-    type of the records' dtype made once (h5py makes it at every write: ~190 us)."""
+    high-level selection builds a selection object per write, a dozen writes per flush; and
+    the memory type of the records' dtype made once (h5py makes it anew at every write)."""
     rows = np.ascontiguousarray(rows)
     space = ds.get_space()
     space.select_hyperslab(at, (1,) * (len(at) - 1) + (len(rows),))
@@ -131,8 +131,8 @@ def concat(arrs: list[np.ndarray]) -> np.ndarray:
 class Commit:
     """/commit, int64 [1 + tables, 3]: row 0 (sequence, 0, 0), then per table (rows in
     the body, rows in the tail, tail slot). Written after everything it names is on
-    disk: a reader (or a killed run's file) sees whole flushes only. (Low-level writes:
-    the high-level ones cost ~150 us each.)"""
+    disk: a reader (or a killed run's file) sees whole flushes only. (Low-level writes, as
+    _write_at, for the same reason.)"""
 
     def __init__(self, f: h5py.File, tables: dict[str, TableFile]):
         self.f, self.tables = f, tables
@@ -152,8 +152,8 @@ class Commit:
 
 # Run-independent files, as bytes: a run whose header is one a recent run had (a bench's
 # repetitions, serial then concurrent of one `divergence run`, a sweep's runs) starts from a
-# copy of it. Making the ~35 HDF5 objects costs ~18 ms a trace on this machine (the flush
-# thread's, but on a 2-core CPU that is the engine's time too); copying and reopening, ~3 ms.
+# copy of it: making the ~35 HDF5 objects is several times the cost of copying the bytes and
+# reopening them (the flush thread's time, but on a 2-core CPU that is the engine's time too).
 _SKELETONS: dict[tuple, tuple[object, bytes]] = {}  # key -> (the vocab list it holds, file bytes)
 MAX_SKELETONS = 4  # (a 152k vocabulary's skeleton is ~1.5 MB)
 
@@ -197,7 +197,7 @@ def create(path: Path, info, *, top_k: int, kv_hashes: bool, kv_hash: str, codes
 
 def _set_created(f: h5py.File) -> None:
     """attrs["created"] = now, rewritten in place (the skeleton's attribute, a variable-length
-    string: a new value of any length fits; h5py's attrs[...] = deletes and recreates it, ~0.3 ms)."""
+    string: a new value of any length fits; h5py's attrs[...] = deletes and recreates it)."""
     value = np.array(datetime.now(timezone.utc).isoformat(), dtype=h5py.string_dtype())
     h5py.h5a.open(f.id, b"created").write(value)
 

@@ -58,8 +58,8 @@ def _open(p: Path) -> tuple[h5py.File, bool]:
                     # a writer killed mid-run (or still running) leaves the file marked open for SWMR writing
                     return h5py.File(p, "r", swmr=True, rdcc_nbytes=0), True
                 # a live writer's flush extends the file just after its superblock names the new end:
-                # an open in between reads it truncated (~1 open in 1,500 of a file flushed every 2 ms,
-                # measured); one still short after the retries is
+                # an open in between reads it truncated (rarely, but a reader polling a live trace meets
+                # it); one still short after the retries is
                 if wait is None:  # (SWMR reads skip the EOF check and can hang on these)
                     raise TraceError(f"{p} is truncated (corrupt or partially copied)") from None
                 time.sleep(wait)

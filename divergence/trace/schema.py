@@ -216,8 +216,8 @@ DEFAULT_WIDTHS = {"top_k": 8}
 
 CHUNK_BYTES = 1 << 13  # chunk size of each table's body (and of its tail slots: the fixed cost of a table)
 COMPRESSION = dict(compression="gzip", compression_opts=1, shuffle=True)  # the bodies
-# bodies stored without it: 64-bit hashes do not compress (gzip kept 99.95% of /kv_hashes' bytes,
-# at ~40 us a chunk: most of the compression time of a trace)
+# bodies stored without it: 64-bit hashes are random bits, which gzip cannot shrink, and /kv_hashes
+# is the largest table, so compressing it would be most of a trace's compression time for nothing
 UNCOMPRESSED = frozenset({"kv_hashes"})
 
 

@@ -229,7 +229,7 @@ class TraceWriter(Observer):
         """The events since the last encoding into records, on this thread: an event lives a
         few steps, not until the flush thread's next turn or the close (held that long, a
         run's events all outlive a young-generation collection, and every few runs the
-        cyclic GC then scans the whole heap: ~50 ms a time beside a fixture run). Records
+        cyclic GC then scans the whole heap, a pause as long as a short run's steps). Records
         are numpy arrays, which the GC does not track."""
         batch, self._batch = self._batch, Batch()
         self._raise_if_failed()
@@ -349,7 +349,7 @@ class TraceWriter(Observer):
                                 f.flush()
                                 self._commit.write()
                                 self.durable_steps += self._closing_steps
-                                if completed:  # (close flushes it: a flush of its own cost ~1 ms a trace)
+                                if completed:  # (close flushes it: a flush of its own would be one more per trace)
                                     self._commit.completed()
                             except Exception as e:  # noqa: BLE001  (h5py raises OSError or RuntimeError)
                                 error = self._failure(e)

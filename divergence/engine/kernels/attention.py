@@ -33,8 +33,8 @@ def mlxlm_reads(g: SeqAttention, layer: int, cache: PagedKVCache) -> tuple[mx.ar
     as mlx-lm's KVCache hands them to SDPA: a view of a buffer grown KV_STEP positions at a
     time, so row-contiguous when L fills it and strided by the buffer's length otherwise.
     On MLX CUDA a one-row SDPA over 256 or more positions gives other numbers for other
-    strides (bench/results/cuda/README.md), so the layout is part of mlx-lm's numbers
-    there; under 256 every layout gives the same numbers (layout_onerow.txt), so the
+    strides (docs/architecture.md), so the layout is part of mlx-lm's numbers
+    there; under 256 every layout gives the same numbers, so the
     pool's own slice is read with no copy. The buffer is made by one block gather per
     pool (the table padded to the buffer's blocks; rows past L hold whatever those blocks
     hold and are never read): one kernel each for K and V, where copying the pool's slice

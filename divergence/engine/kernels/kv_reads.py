@@ -15,9 +15,9 @@ if TYPE_CHECKING:
 def as_words(x: mx.array) -> mx.array:
     """x's last axis read as 8-byte words where its rows allow (4-byte otherwise): a gather
     moves the same bytes (the values are not touched, so the bits are the same), with 4x
-    fewer elements to index in bf16. MLX CUDA's gather runs one thread per element: on the
-    H200 the block gather of a B=8 step at 4,096 positions was 2.8 of its 4.0 ms
-    (bench/results/cuda/kv_read_cost.txt)."""
+    fewer elements to index in bf16. MLX CUDA's gather runs one thread per element, so at
+    long contexts the block gather, not SDPA, was most of a batched decode step's cost
+    (docs/performance.md, the context bench)."""
     row = x.shape[-1] * x.dtype.size
     for word in (mx.uint64, mx.uint32):
         if row % word.size == 0 and word.size > x.dtype.size:

@@ -11,7 +11,7 @@ on one machine compare: bisect says "gate_proj's native class changed between 1 
 8 rows" instead of only "rows differ". `divergence probe` maps whole row ranges.
 
 Why many rows: with bf16 outputs a reordered fp32 sum usually rounds to the same
-bf16 value, so one probe row often hides a kernel switch (seen on the H200: one row
+bf16 value, so one probe row often hides a kernel switch (seen on a GPU: one row
 called the fixture's linear ops batch-invariant, real hidden states said otherwise).
 What hides a switch is too few output *values*, so an op gets rows up to
 PROBE_VALUES values: 32 rows of every op up to 8,192 columns, fewer of a wide one. A

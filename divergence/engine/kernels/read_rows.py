@@ -11,8 +11,8 @@ KV_STEP = 256  # mlx-lm's KVCache grows its buffer by this many positions
 # MLX CUDA runs a one-row, unmasked SDPA over >= 256 keys through cuDNN only when the K/V
 # buffer's rows are a multiple of this, and then only when the allocator's buffer is exactly
 # that size, which follows the process's allocation history: the same step ran cuDNN in one
-# run and MLX's vector kernel in the next, other bits each time (bench/repeat_check.py, and
-# bench/sdpa_kernel_choice.py's "a page larger" line)
+# run and MLX's vector kernel in the next, other bits each time (tests/test_cuda.py checks
+# that a batch repeats; docs/architecture.md)
 CUDNN_ROWS = 256
 
 
