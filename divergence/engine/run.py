@@ -259,7 +259,7 @@ class Run:
             self._emit_kernels(launch.kernels, launch.mixed)
         if self.want_kv:
             writes = kv_writes(launch.plan, launch.state.name, launch.kv)
-            self.e._emit("on_kv_writes", writes)  # (a list a step: ~0.7 us a write less than one call each)
+            self.e._emit("on_kv_writes", writes)  # (a list a step: one call, not one per write)
             if launch.state.blocks.prefix_caching:
                 self.kv_log.record(writes)
         if launch.routing:
@@ -389,8 +389,8 @@ class _KernelSink:
     into one); anything else (an all-reduce, a choice of another step) as the event, and the
     step is `mixed`. Its own object, not a method of the Run: the Run holds its model states,
     whose dispatchers hold this, so a bound method would make every traced Run cyclic
-    garbage, freed (its KV cache with it) only by a full collection, 25-50 ms beside a
-    fixture run."""
+    garbage, freed (its KV cache with it) only by a full collection, a pause as long as a
+    short run."""
 
     __slots__ = ("buf", "step", "mixed")
 
