@@ -239,6 +239,9 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
     for cause in causes.values():
         as_environment_cause(a, b, cause)
     if confirm and replayer is not None and hashed:
+        prepare = getattr(replayer, "prepare", None)  # work the confirmations can share (one replay)
+        if prepare is not None:
+            prepare([(cause, next(r for r in d.requests if r.id == rid)) for rid, cause in causes.items()])
         for rid, cause in causes.items():
             cause.confirmed, cause.confirm_detail = replayer(cause, next(r for r in d.requests if r.id == rid))
     if op_finder is not None and hashed:

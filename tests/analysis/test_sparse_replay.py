@@ -181,3 +181,30 @@ def test_tensor_parallel_traces_fall_back_and_say_why():
 
     trace = SimpleNamespace(tp_degree=2, has_routing=False, meta={}, requests=[])
     assert plan_window(trace, [], {"r1"}, None) == TP
+
+
+def test_requests_forced_alike_share_one_replay_with_their_own_bits(root, monkeypatch):
+    """share_replay: one checked replay for several requests forced the same way; each one's
+    confirmation then reads it (no replay of its own), and gets the bits its own would give."""
+    from divergence.analysis.confirm.replays import checked_replay, share_replay, step_of_token
+    from divergence.analysis.replayer import Replayer
+
+    out = _run(root, "dense-bf16")
+    with Trace.open(out / "concurrent.h5") as t:
+        ids = [r.id for r in t.requests][1:]
+        step = max((p for p in t.iter_plans() if sum(s.request_id in ids for s in p.slices) > 1),
+                   key=lambda p: len(p.slices)).index
+        forced = {step: SOLO}
+        until = {rid: step_of_token(t, rid, len(t.tokens(rid).tokens)) for rid in ids}
+        shared, alone = Replayer(), Replayer()
+        share_replay(shared, t, forced, until)
+        runs = []
+        monkeypatch.setattr(Replayer, "run", lambda self, *a, **k: runs.append(1) or pytest.fail("replayed again"))
+        got = {rid: checked_replay(shared, t, forced, focus={rid}, until=until[rid]).outputs[rid] for rid in ids}
+        monkeypatch.undo()
+        for rid in ids:
+            own = checked_replay(alone, t, forced, focus={rid}, until=until[rid]).outputs[rid]
+            n = len(own.tokens)
+            assert n and list(got[rid].tokens[:n]) == list(own.tokens), rid
+            assert np.asarray(got[rid].topk_logits[:n], np.float32).tobytes() == \
+                np.asarray(own.topk_logits, np.float32).tobytes(), rid

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .case import Case
-from .replays import ForcingRefused, NotARerun
+from .replays import ForcingRefused, NotARerun, share_replay, step_of_token
 from .rungs import DRAW_RUNGS, RUNGS, climb, unconfirmed
 
 
@@ -39,4 +39,26 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
         cause.confirmed_by = by if ok is not None else None
         return ok, detail
 
+    def prepare(pairs) -> None:
+        """Before the causes are confirmed one by one: requests whose first forcing is the same
+        (the same step forced the same way) get one sparse replay for all of them, which each
+        one's confirmation then reads (analysis/confirm/replays.share_replay)."""
+        groups: dict = {}
+        for cause, rd in pairs:
+            if cause.kind == "sampler":
+                continue
+            case = Case(a, b, replayer, cause, rd, label_a, label_b)
+            if case.at_draw:
+                continue
+            try:
+                forced = {cause.b.step: case.force(cause.a.step, cause.b.step, cause.positions, cause.layer)}
+            except (KeyError, ValueError):  # the rung itself will say why
+                continue
+            key = tuple(sorted((int(k), str(v)) for k, v in forced.items()))
+            groups.setdefault(key, (forced, {}))[1][rd.id] = step_of_token(b, rd.id, case.n)
+        for forced, until in groups.values():
+            if len(until) > 1:
+                share_replay(replayer, b, forced, until)
+
+    confirm_and_say_how.prepare = prepare
     return confirm_and_say_how

@@ -82,16 +82,40 @@ def checked_replay(replayer, b, forced: dict, *, focus=None, until: int | None =
             replayer._checked_replays = memo
         except AttributeError:
             pass
-    key = (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())),
-           None if focus is None else tuple(sorted(focus)), until)
+    key = _memo_key(b, forced, focus, until)
     if key in memo and memo[key][0] is b:
         return memo[key][1]
     got = _run_checked(replayer, b, forced, focus, until)
-    memo[key] = (b, got)
-    del_keys = list(memo)[:-16]
-    for k in del_keys:
-        del memo[k]
+    _remember(memo, key, b, got)
     return got
+
+
+def _memo_key(b, forced: dict, focus, until) -> tuple:
+    return (id(b), tuple(sorted((int(k), str(v)) for k, v in forced.items())),
+            None if focus is None else tuple(sorted(focus)), until)
+
+
+def _remember(memo: dict, key, b, got) -> None:
+    memo[key] = (b, got)
+    for k in list(memo)[:-64]:
+        del memo[k]
+
+
+def share_replay(replayer, b, forced: dict, until: dict) -> None:
+    """One checked replay of B with `forced` for every request of `until` (request -> the last
+    step its check reads), remembered as each one's own: their confirmations then replay
+    nothing for this forcing. A sparse replay's bits of a request do not depend on which other
+    requests it also gives (tests/analysis/test_sparse_replay.py), and its re-run check covers
+    them all."""
+    if getattr(replayer, "_checked_replays", None) is None:
+        try:
+            replayer._checked_replays = {}
+        except AttributeError:
+            return
+    steps = [s for s in until.values() if s is not None]
+    got = _run_checked(replayer, b, forced, set(until), max(steps) if len(steps) == len(until) else None)
+    for rid, last in until.items():
+        _remember(replayer._checked_replays, _memo_key(b, forced, {rid}, last), b, got)
 
 
 def step_of_token(b, rid: str, n: int) -> int | None:
