@@ -69,17 +69,19 @@ SHOWS: dict[str, Show] = {
         ["divergence run", "divergence bisect traces/serial.h5 traces/concurrent.h5 --confirm"],
         "the embedded demo: a cache contamination, confirmed by replay"),
     "step_compute": Show(
-        ["divergence run --policy threshold:4 --spec-k 0 --prompts prompts.jsonl --ignore-eos --out traces",
+        ["cat prompts.jsonl",
+         "divergence run --policy threshold:4 --spec-k 0 --prompts prompts.jsonl --ignore-eos --out traces",
          "divergence bisect traces/serial.h5 traces/concurrent.h5 --bitwise --confirm"],
         "eight prompts prefilled in one step: step compute (and one cache contamination)",
         files={"prompts.jsonl": PROMPTS_STEP}),
     "sampled": Show(
-        ["divergence run --prompts sampled.jsonl --spec-k 3 --policy threshold:4 --ignore-eos --out traces",
+        ["cat sampled.jsonl",
+         "divergence run --prompts sampled.jsonl --spec-k 3 --policy threshold:4 --ignore-eos --out traces",
          "divergence bisect traces/serial.h5 traces/concurrent.h5 --confirm"],
         "sampled requests with speculative decoding: where each flip's uniform draw fell",
         checked=False, files={"sampled.jsonl": PROMPTS_SAMPLED}),
     "routing": Show(
-        [f'python -c "{MAKE_MOE}"',
+        ["cat moe.jsonl", f'python -c "{MAKE_MOE}"',
          "divergence run --model moe --policy threshold:1 --prompts moe.jsonl --ignore-eos --out traces",
          "divergence bisect traces/serial.h5 traces/concurrent.h5 --bitwise --confirm"],
         "a random qwen3_moe with a near-tied router: routing flips",
@@ -146,9 +148,11 @@ def run_show(name: str, workdir: Path | None = None) -> str:
         text = "".join(out)
         for path in (str(work) + "/", str(work), str(ROOT) + "/", str(ROOT)):
             text = text.replace(path, "")
-        return text
+        return _FIXTURES.sub(r"fixtures/\2", text)
 
 
+# the fixture models, wherever the installed package keeps them
+_FIXTURES = re.compile(r"(?<![\w/])/\S*?/(divergence/)?fixtures/(target|draft)")
 _TIMING = re.compile(r"\b\d+(?:\.\d+)? s\b")
 _TMP = re.compile(r"(?:/tmp|/var/folders)/\S*?(?=[/\s)])")
 
@@ -159,8 +163,7 @@ def normalize(text: str) -> str:
     text = _TIMING.sub("<t> s", text)
     text = re.sub(r"(?m)^BLAS: .*$", "BLAS: <blas>", text)
     text = _TMP.sub("<tmp>", text)
-    # the fixture models resolve to the installed package's copy, wherever that is
-    text = re.sub(r"\S*?/?(divergence/)?fixtures/(target|draft)", r"fixtures/\2", text)
+    text = _FIXTURES.sub(r"fixtures/\2", text)
     return text
 
 
