@@ -2,6 +2,7 @@
 
     python bench/first_run.py --side engine --model-cache DIR     # the engine, B prompts
     python bench/first_run.py --side mlxlm --model-cache DIR      # mlx-lm's BatchGenerator
+    python bench/first_run.py --side engine --quick               # the fixture, small: a check
 
 MLX CUDA compiles a kernel module on first use per (primitive, dtype pair) and keeps it
 under MLX_PTX_CACHE_DIR (default: the temp dir), so only a machine's first process pays.
@@ -25,6 +26,7 @@ from pathlib import Path
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--side", choices=("engine", "mlxlm"), required=True)
+    ap.add_argument("--quick", action="store_true", help="the fixture, 2 prompts of 8 tokens, 4 tokens (a check)")
     ap.add_argument("--model", default="qwen0.5b")
     ap.add_argument("--dtype", default="stored")
     ap.add_argument("--model-cache", default=None)
@@ -33,6 +35,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--label", default="")
     a = ap.parse_args()
+    if a.quick:
+        a.model, a.batch, a.prompt, a.tokens = "fixture", 2, 8, 4
     cache = Path(tempfile.mkdtemp(prefix="mlx-ptx-"))
     os.environ["MLX_PTX_CACHE_DIR"] = str(cache)  # before MLX reads it (at its first compile)
     sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -3,6 +3,7 @@
     py-spy record --native --format raw -o engine.txt -- python bench/host_profile.py --side engine --batch 64
     py-spy record --native --format raw -o mlxlm.txt -- python bench/host_profile.py --side mlxlm --batch 64
     python bench/host_profile.py --summarize engine.txt mlxlm.txt    # the native frames under mx.async_eval
+    python bench/host_profile.py --side engine --quick              # the fixture, small: a check
 
 `--side engine` runs the engine (native policy, untraced) on B prompts, `--side mlxlm`
 mlx-lm's BatchGenerator on the same prompts; both warm up once at the same shape first,
@@ -88,7 +89,10 @@ def main():
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="the fixture, B=2, 4 tokens, 1 run (a check)")
     a = ap.parse_args()
+    if a.quick:
+        a.model, a.batch, a.prompt, a.tokens, a.runs = "fixture", 2, 8, 4, 1
     if a.summarize:
         summarize(a.summarize, a.top)
     elif a.side:

@@ -1,10 +1,10 @@
 """Trace mlx-lm's own BatchGenerator (serial: one request at a time; concurrent: all
 at once), then bisect: its divergences get root causes like the engine's.
 
-    python bench/batch_generator_trace.py --model DIR --prompts P.jsonl --max-tokens 64 \\
-        --out traces/bg [--json bench/results/cuda/bg_fixture.json]
+    python examples/batch_generator_trace.py --model DIR --prompts P.jsonl --max-tokens 64 \\
+        --out traces/bg [--json bg.json]
 
-    python bench/batch_generator_trace.py --quick      # the fixture, 4 built-in prompts, 12 tokens
+    python examples/batch_generator_trace.py --quick     # the fixture, 4 built-in prompts, 12 tokens
 
 Prints the bisect report; --json writes {tokens diverged, causes} plus bisect's JSON.
 """
