@@ -181,7 +181,7 @@ def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
     equal mlx-lm generate_step's own (tokens it yields, logits its model call returned), bit
     for bit, on the Qwen2.5-0.5B shape (random weights) in bf16 and 4-bit. (With the default
     whole-prompt prefill the last prompt row is computed inside the prefill's GEMM, where
-    mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see the README.)"""
+    mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see docs/your-model.md.)"""
     problems = _b1_problems(tmp_path_factory, bits, lambda m: [m.encode(text) for text in B1_PROMPTS])
     assert not problems, problems
 

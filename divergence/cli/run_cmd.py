@@ -46,7 +46,7 @@ def add_arguments(p) -> None:
                    "(started here over 127.0.0.1, or the group mlx.launch started); rank 0 writes the traces")
     p.add_argument("--blas-core", metavar="CORE", help="run OpenBLAS's kernels for CORE (Haswell, Zen, SkylakeX, "
                    "Cooperlake, ...; OPENBLAS_CORETYPE) instead of its pick for this CPU: a run as another machine "
-                   "would make it (see 'Divergence across machines' in the README)")
+                   "would make it (see the environment cause in docs/reading-a-report.md)")
     p.add_argument("--blas-threads", type=int, metavar="N", help="run OpenBLAS on N threads (default: its own "
                    "count); the count changes fp32 bits on some cores")
     p.add_argument("--out", metavar="DIR", default="traces", help="a directory: one SCHEDULE.h5 trace per "

@@ -222,7 +222,7 @@ def test_import(tmp_path, capsys):
 
 
 def test_the_global_reference_blas_option_is_taken_after_the_subcommand_too(tmp_path):
-    """`divergence run --reference-blas` (the README's spelling) runs on the reference BLAS, as
+    """`divergence run --reference-blas` (the docs' spelling) runs on the reference BLAS, as
     `divergence --reference-blas run` does (it was 'unrecognized arguments')."""
     p = subprocess.run([sys.executable, "-m", "divergence", "run", "--reference-blas", "--schedules", "serial",
                         "--max-tokens", "2", "--out", str(tmp_path / "r")], capture_output=True, text=True)
