@@ -178,7 +178,7 @@ class _DirSubject:
         from ..workloads.runner import make_engine, validate  # (lazy: the plugin imports no workloads module)
 
         self._engine = make_engine(self.cfg)  # refuses a bad budget / spec_k
-        validate(self._engine, requests)  # the rules `divergence run` applies, once
+        validate(self._engine, requests, top_k_name="top_k")  # the rules `divergence run` applies, once
 
     def run(self, requests, schedules, out: Path) -> dict:
         from ..workloads.runner import run_schedules  # (lazy: the plugin imports no workloads module)
@@ -221,6 +221,9 @@ class _EngineSubject:
 
     def check(self, requests) -> None:
         __tracebackhide__ = True
+        top_k, vocab = self.overrides.get("top_k", self.engine.top_k), getattr(self.engine, "vocab", None)
+        if vocab and top_k > vocab:
+            raise PromptError(f"top_k {top_k} is larger than the model's vocabulary ({vocab} tokens)")
         for r in requests:
             msg = self.engine.check(r)
             if msg:

@@ -12,7 +12,7 @@ import pytest
 
 from ..errors import DivergenceInputError
 from .assertions import ReproducibilityError, assert_reproducible, assert_traces_equal
-from .settings import Settings, artifact_name
+from .settings import Settings, artifact_name, check_marker_args
 
 MARKER = "reproducible"
 MARKER_ARGS = ("prompts", "model", "draft", "schedules", "policy", "spec_k", "max_tokens", "top_k",
@@ -114,7 +114,7 @@ def _run_marker(item, checker: ReproducibilityChecker) -> None:
     if "prompts" not in kwargs:
         raise DivergenceInputError(f"needs prompts, e.g. @pytest.mark.{MARKER}(prompts=['Return the number of'])")
     prompts = kwargs.pop("prompts")
-    checker(prompts, **kwargs)
+    checker(prompts, **check_marker_args(kwargs))
 
 
 def keep_artifacts(settings: Settings, nodeid: str, exc) -> list[str]:

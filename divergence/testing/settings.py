@@ -42,13 +42,31 @@ def check_policy(policy) -> str:
         raise DivergenceInputError(f"unknown kernel policy {policy!r} (expected {POLICY_HELP})") from None
 
 
-def check_positive_int(name: str, value) -> int:
+def check_marker_args(kwargs: dict) -> dict:
+    """A `reproducible` marker's arguments checked as the ini keys are (the model-dependent ones,
+    top_k against the vocabulary, prompts against the context, when the model loads): a bad one
+    is one DivergenceInputError line, never a value taken as something else ('maybe' as true)."""
+    out = dict(kwargs)
+    for name in ("confirm", "bitwise", "stop_at_eos"):
+        if out.get(name) is not None:
+            out[name] = parse_bool(name, out[name])
+    for name in ("top_k", "max_tokens", "token_budget"):
+        if out.get(name) is not None:
+            out[name] = check_positive_int(name, out[name])
+    if out.get("spec_k") is not None:
+        out["spec_k"] = check_positive_int("spec_k", out["spec_k"], least=0)
+    if out.get("policy") is not None:
+        out["policy"] = check_policy(out["policy"])
+    return out
+
+
+def check_positive_int(name: str, value, *, least: int = 1) -> int:
     try:
-        n = int(str(value).strip())
+        n = int(str(value).strip())  # (ini values are text; True, 2.5 and '2.5' are refused)
     except ValueError:
-        raise DivergenceInputError(f"{name} must be an integer >= 1, got {value!r}") from None
-    if n < 1:
-        raise DivergenceInputError(f"{name} must be an integer >= 1, got {value!r}")
+        raise DivergenceInputError(f"{name} must be an integer >= {least}, got {value!r}") from None
+    if n < least:
+        raise DivergenceInputError(f"{name} must be an integer >= {least}, got {value!r}")
     return n
 
 

@@ -92,11 +92,12 @@ def _on_tty() -> bool:
         return False
 
 
-def validate(engine, requests) -> None:
-    """Refuse bad requests (token ids, context length) before anything is written."""
+def validate(engine, requests, *, top_k_name: str = "--top-k") -> None:
+    """Refuse bad requests (token ids, context length) before anything is written; top_k_name:
+    what the caller calls the engine's top-k (a flag, an argument) in the message."""
     vocab = getattr(engine, "vocab", None)
     if vocab and engine.top_k > vocab:
-        raise PromptError(f"--top-k {engine.top_k} is larger than the model's vocabulary ({vocab} tokens)")
+        raise PromptError(f"{top_k_name} {engine.top_k} is larger than the model's vocabulary ({vocab} tokens)")
     for r in requests:
         msg = engine.check(r)
         if msg:
