@@ -1,8 +1,9 @@
 """Load an optimized BLAS into the process before MLX, where one is installed.
 
-MLX's Linux CPU wheel links the reference BLAS (~2 GFLOP/s fp32). Loading
+MLX's Linux CPU wheel links the reference BLAS, an unblocked, single-threaded loop. Loading
 OpenBLAS with RTLD_GLOBAL before `import mlx` makes MLX resolve its BLAS
-symbols there (107-179 GFLOP/s measured). It also changes numerics (fp32
+symbols there (blocked, vectorised and threaded: fp32 matmul is then tens of times
+faster). It also changes numerics (fp32
 matmul at M >= 16 rows no longer equals M = 1), so which BLAS ran is recorded
 with every run. Turn it off with DIVERGENCE_BLAS=reference (or the CLI's
 --reference-blas).
