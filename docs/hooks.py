@@ -42,7 +42,8 @@ def _first_line(path: Path) -> str:
     except SyntaxError:
         return ""
     line = " ".join(doc.split("\n\n")[0].split())
-    return line if len(line) <= 100 else line[:97].rsplit(" ", 1)[0] + " ..."
+    line = line.split(". ")[0].rstrip(".")
+    return line if len(line) <= 90 else line[:87].rsplit(" ", 1)[0] + " ..."
 
 
 def package_tree(root: Path) -> str:
