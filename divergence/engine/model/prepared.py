@@ -123,174 +123,136 @@ class PreparedStep:
 
 
 def prepare_step(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
-    """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED | PADDED)."""
-    if kernel != PADDED and plan.slices and all(s.count == 1 and s.phase != PREFILL for s in plan.slices):
-        return _prepare_decode(plan, blocks, kernel)
-    return _prepare_general(plan, blocks, kernel)
+    """Everything the forward of `plan` needs, under attention `kernel` (PER_SEQ | BATCHED | PADDED).
 
-
-def _prepare_decode(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
-    """A step of one-row decode / draft slices (every decode step of a run): the same
-    PreparedStep as _prepare_general, from Python ints instead of per-slice numpy arrays
-    (several times cheaper, every decode step; tests/engine/test_prepared.py compares the two)."""
+    One builder for every kind of step, so a decode step and any other get their fields
+    alike by construction: the rows from Python ints (a one-row slice, every decode step's,
+    costs a few list appends; numpy per slice cost several times more), the batched call's
+    mask, query and output rows with numpy over the batch, and only where it needs them."""
     bs = blocks.block_size
     sl = plan.slices
-    B = len(sl)
-    tabs, starts, slots, logit = [], [], [], []
-    for i, s in enumerate(sl):
-        assert s.row_offset == i, f"slice {s.request_id} starts at row {s.row_offset}, expected {i}"
-        t = blocks.tables[s.request_id]
-        p = s.start
-        tabs.append(t[: p // bs + 1])
-        starts.append(p)
-        slots.append(t[p // bs] * bs + p % bs)
-        logit.extend(i + r for r in s.logit_rows)
-    kv_lens = tuple(p + 1 for p in starts)
-    if kernel == BATCHED:
-        L = max(kv_lens)
-        nb = batched_blocks(L, bs)
-        tab = mx.array([t + [t[0]] * (nb - len(t)) for t in tabs], dtype=mx.int32)
-        mask = None
-        if min(kv_lens) != L:  # each row sees its own positions only
-            mask = mx.array((np.arange(L)[None, :] < np.asarray(kv_lens)[:, None])[:, None, None, :])
-        groups = [BatchedAttention(tuple(range(B)), 1, L, tab, mask, None, 0, None)]
-    else:
-        groups = []
-        for i, t in enumerate(tabs):
-            consecutive = all(b - a == 1 for a, b in zip(t, t[1:]))
-            groups.append(SeqAttention(i, 1, kv_lens[i], mx.array(t, dtype=mx.int32),
-                                       t[0] * bs if consecutive else None, t))
-    run = all(b - a == 1 for a, b in zip(slots, slots[1:]))
-    identity_logits = logit == list(range(B))
+    # `padded` lays the rows out as BatchGenerator's [B, n] batch does: every slice padded
+    # to the longest with token 0, so the linear ops see its row count and row positions
+    # (OpenBLAS's fp32 bits depend on both); pad rows write their K/V to the spare block
+    pad_to = max(s.count for s in sl) if kernel == PADDED and sl else 0
+    padded_rows = pad_to > 0 and any(s.count != pad_to for s in sl)
+    spare = blocks.num_blocks * bs
+    toks, pos, slots, logit, real, tables, kv_lens, joins = [], [], [], [], [], [], [], []
+    row = 0
+    for si, s in enumerate(sl):
+        assert s.row_offset == row, f"slice {s.request_id} starts at row {s.row_offset}, expected {row}"
+        assert len(s.tokens) == s.count
+        start, end = s.start, s.start + s.count
+        t = blocks.tables[s.request_id][: -(-end // bs)]
+        tables.append(t)
+        kv_lens.append(end)
+        joins.append(batchable(s))
+        base = si * pad_to if padded_rows else row
+        if s.count == 1:
+            toks.append(s.tokens[0])
+            pos.append(start)
+            slots.append(t[start // bs] * bs + start % bs)
+        else:
+            toks.extend(s.tokens)
+            pos.extend(range(start, end))
+            slots.extend(t[p // bs] * bs + p % bs for p in range(start, end))
+        if padded_rows:
+            extra = pad_to - s.count
+            real.extend(range(base, base + s.count))
+            pos.extend(range(end, end + extra))
+            slots.extend([spare] * extra)
+            toks.extend([0] * extra)
+        if s.logit_rows == (0,):
+            logit.append(base)
+        else:
+            logit.extend(base + r for r in s.logit_rows)
+        row += s.count
+    T = len(sl) * pad_to if padded_rows else row
+    identity_logits = logit == list(range(T))
+    kv_lens = tuple(kv_lens)
+
+    in_batch = [True] * len(sl) if kernel == PADDED else joins if kernel == BATCHED else [False] * len(sl)
+    batch = [i for i, b in enumerate(in_batch) if b]
+    groups = []
+    if batch:
+        left = kernel == PADDED and all(s.phase != PREFILL for s in sl) and len(set(kv_lens)) > 1
+        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED, pad_rows=padded_rows,
+                               left_pad_slot=spare if left else None))
+    order = None  # step rows in the order the groups produce them (None: in order)
+    if len(batch) != len(sl):
+        order = []
+        for i in batch if not padded_rows else ():
+            order.extend(range(sl[i].row_offset, sl[i].row_offset + sl[i].count))
+        for i, s in enumerate(sl):
+            if not in_batch[i]:
+                t = tables[i]
+                groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(t, dtype=mx.int32),
+                                           t[0] * bs if _consecutive(t) else None, t))
+                order.extend(range(s.row_offset, s.row_offset + s.count))
+    perm = None
+    if order is not None and order != list(range(T)):
+        perm = mx.array(np.argsort(np.asarray(order, dtype=np.int32)).astype(np.int32))
     return PreparedStep(
-        plan=plan, rows=B, tokens=mx.array([s.tokens[0] for s in sl], dtype=mx.int32),
-        positions=mx.array(starts, dtype=mx.int32), write_slots=mx.array(slots, dtype=mx.int32),
-        write_start=slots[0] if run else None,
+        plan=plan, rows=T, tokens=mx.array(toks, dtype=mx.int32), positions=mx.array(pos, dtype=mx.int32),
+        write_slots=mx.array(slots, dtype=mx.int32), write_start=slots[0] if _consecutive(slots) else None,
         logit_index=None if identity_logits else mx.array(logit, dtype=mx.int32), logit_rows=len(logit),
-        groups=groups, out_perm=None, kernel=BATCHED if kernel == BATCHED else PER_SEQ, kv_lens=kv_lens,
-        attended_rows=B, batch=B if kernel == BATCHED else 0, decode_queries=1,
+        groups=groups, out_perm=perm, kernel=(PADDED if kernel == PADDED else BATCHED) if batch else PER_SEQ,
+        kv_lens=kv_lens, real_rows=mx.array(real, dtype=mx.int32) if padded_rows else None,
+        attended_rows=T, batch=len(batch),
+        decode_queries=max((s.count for s, j in zip(sl, joins) if j), default=0),
         logit_host=None if identity_logits else tuple(logit),
     )
 
 
-def _prepare_general(plan: StepPlan, blocks: BlockManager, kernel: str) -> PreparedStep:
-    bs = blocks.block_size
-    toks, pos, slots, logit, real = [], [], [], [], []
-    row = 0
-    tables = []
-    # `padded` lays the rows out as BatchGenerator's [B, n] batch does: every slice padded
-    # to the longest with token 0, so the linear ops see its row count and row positions
-    # (OpenBLAS's fp32 bits depend on both); pad rows write their K/V to the spare block
-    pad_to = max(s.count for s in plan.slices) if kernel == PADDED and plan.slices else 0
-    padded_rows = pad_to > 0 and any(s.count != pad_to for s in plan.slices)
-    for si, s in enumerate(plan.slices):
-        assert s.row_offset == row, f"slice {s.request_id} starts at row {s.row_offset}, expected {row}"
-        assert len(s.tokens) == s.count
-        end = s.start + s.count
-        table = np.asarray(blocks.tables[s.request_id][: -(-end // bs)], dtype=np.int32)
-        tables.append(table)
-        p = np.arange(s.start, end, dtype=np.int32)
-        base = si * pad_to if padded_rows else row
-        slot = table[p // bs] * bs + p % bs
-        tok = np.asarray(s.tokens, dtype=np.int32)
-        if padded_rows:
-            extra = pad_to - s.count
-            real.extend(range(base, base + s.count))
-            p = np.arange(s.start, s.start + pad_to, dtype=np.int32)
-            slot = np.concatenate([slot, np.full(extra, blocks.num_blocks * bs, slot.dtype)])
-            tok = np.concatenate([tok, np.zeros(extra, np.int32)])
-        pos.append(p)
-        slots.append(slot)
-        toks.append(tok)
-        logit.extend(base + r for r in s.logit_rows)
-        row += s.count
-    T = len(plan.slices) * pad_to if padded_rows else row
-    cat = (lambda xs: np.concatenate(xs)) if len(plan.slices) != 1 else (lambda xs: xs[0])
-    logit_np = np.asarray(logit, dtype=np.int32)
-    identity_logits = len(logit_np) == T and np.array_equal(logit_np, np.arange(T))
-    kv_lens = tuple(s.start + s.count for s in plan.slices)
-
-    groups, order = [], []  # order: step rows in the order the groups produce them
-    if kernel == PADDED:
-        batch = list(range(len(plan.slices)))
-    else:
-        batch = [i for i, s in enumerate(plan.slices) if batchable(s)] if kernel == BATCHED else []
-    if batch:
-        left = kernel == PADDED and all(s.phase != PREFILL for s in plan.slices) and len(set(kv_lens)) > 1
-        groups.append(_batched(plan, batch, tables, bs, keep_mask=kernel == PADDED, pad_rows=padded_rows,
-                               left_pad_slot=blocks.num_blocks * bs if left else None))
-        if padded_rows:
-            order.extend(range(T))
-        for i in batch if not padded_rows else ():
-            s = plan.slices[i]
-            order.extend(range(s.row_offset, s.row_offset + s.count))
-    in_batch = set(batch)
-    for i, s in enumerate(plan.slices):
-        if i not in in_batch:
-            t = tables[i]
-            consecutive = len(t) == 1 or bool(np.all(np.diff(t) == 1))
-            groups.append(SeqAttention(s.row_offset, s.count, kv_lens[i], mx.array(t),
-                                       int(t[0]) * bs if consecutive else None, t))
-            order.extend(range(s.row_offset, s.row_offset + s.count))
-    slots_np = cat(slots).astype(np.int32)
-    run = T == 1 or bool(np.all(np.diff(slots_np) == 1))
-    perm = None
-    if order != list(range(T)):
-        perm = mx.array(np.argsort(np.asarray(order, dtype=np.int32)).astype(np.int32))
-    return PreparedStep(
-        plan=plan, rows=T, tokens=mx.array(cat(toks)), positions=mx.array(cat(pos)),
-        write_slots=mx.array(slots_np), write_start=int(slots_np[0]) if run else None,
-        logit_index=None if identity_logits else mx.array(logit_np), logit_rows=len(logit_np),
-        groups=groups, out_perm=perm, kernel=(PADDED if kernel == PADDED else BATCHED) if batch else PER_SEQ,
-        kv_lens=kv_lens, real_rows=mx.array(np.asarray(real, dtype=np.int32)) if padded_rows else None,
-        attended_rows=T, batch=len(batch),
-        decode_queries=max((s.count for s in plan.slices if batchable(s)), default=0),
-        logit_host=None if identity_logits else tuple(int(i) for i in logit),
-    )
+def _consecutive(ids: Sequence[int]) -> bool:
+    """Each id one more than the one before (a block table read as one slice of the pool, or
+    write slots as one slice update)."""
+    return all(b - a == 1 for a, b in zip(ids, ids[1:]))
 
 
-def _batched(plan: StepPlan, idx: list[int], tables: list[np.ndarray], bs: int, *,
+def _batched(plan: StepPlan, idx: list[int], tables: list[list[int]], bs: int, *,
              keep_mask: bool = False, pad_rows: bool = False, left_pad_slot: int | None = None) -> BatchedAttention:
-    """pad_rows: the step's rows are already [B, Q] (slice b at rows b * Q ...): every row,
-    pad rows included, is its own query and comes out in place."""
+    """The batched call of slices `idx`. pad_rows: the step's rows are already [B, Q] (slice b
+    at rows b * Q ...): every row, pad rows included, is its own query and comes out in place.
+    Plain ints where they do (a decode step's call, every step, builds no numpy array but
+    its mask where lengths differ); the mask, query and output rows vectorized over B."""
     sl = [plan.slices[i] for i in idx]
     B = len(sl)
-    Q = max(s.count for s in sl)
-    L = max(s.start + s.count for s in sl)
+    counts, starts, offsets = [s.count for s in sl], [s.start for s in sl], [s.row_offset for s in sl]
+    ends = [a + n for a, n in zip(starts, counts)]
+    Q, L = max(counts), max(ends)
     nb = -(-L // bs) if keep_mask else batched_blocks(L, bs)  # (`padded`: BatchGenerator's calls, as they are)
-    tab = np.empty((B, nb), dtype=np.int32)
-    mask = np.zeros((B, 1, Q, L), dtype=bool)
-    q_index = np.empty((B, Q), dtype=np.int32)
-    keys = np.arange(L)
-    left = np.empty((B, L), dtype=np.int32) if left_pad_slot is not None else None
-    out_rows = []
-    for b, (i, s) in enumerate(zip(idx, sl)):
-        t = tables[i]
-        tab[b, : len(t)] = t
-        tab[b, len(t):] = t[0]  # any valid block: masked out
-        if pad_rows:
-            q = np.arange(Q)
-            q_index[b] = b * Q + q
-        else:
-            q = np.minimum(np.arange(Q), s.count - 1)  # padded query rows repeat the last real one
-            q_index[b] = s.row_offset + q
-        # query row q sits at position start + q and sees every position up to it
+    tab = [t + [t[0]] * (nb - len(t)) for t in (tables[i] for i in idx)]  # pad: any valid block, masked out
+    row0 = 0 if pad_rows else offsets[0]
+    contiguous = Q == 1 and (pad_rows or offsets == list(range(row0, row0 + B)))
+    ragged = not pad_rows and min(counts) != Q
+    # the mask masks nothing only where every slice is one row at the longest length
+    masked = keep_mask or Q != 1 or min(ends) != L
+    mask = left = q_index = out_rows = None
+    if masked or not contiguous:  # each query row's place in its slice (padded ones repeat the last real one)
+        n = np.asarray(counts)[:, None]
+        q = np.broadcast_to(np.arange(Q), (B, Q)) if pad_rows else np.minimum(np.arange(Q)[None, :], n - 1)
+    if masked:
+        keys = np.arange(L)[None, None, :]
+        seen = (np.asarray(starts)[:, None] + q)[:, :, None]  # query row q sits at start + q, sees up to it
         if left_pad_slot is None:
-            mask[b, 0] = keys[None, :] <= (s.start + q)[:, None]
+            mask = keys <= seen
         else:  # left-padded: the sequence's position p sits at key p + pad
-            pad = L - (s.start + s.count)
-            mask[b, 0] = (keys[None, :] >= pad) & (keys[None, :] - pad <= (s.start + q)[:, None])
-            p = np.arange(s.start + s.count)
-            left[b, :pad] = left_pad_slot
-            left[b, pad:] = t[p // bs] * bs + p % bs
-        out_rows.extend(b * Q + r for r in range(Q if pad_rows else s.count))
-    rows = list(range(B * Q)) if pad_rows else [r for s in sl for r in range(s.row_offset, s.row_offset + s.count)]
-    contiguous = Q == 1 and rows == list(range(rows[0], rows[0] + B))
-    ragged = len(out_rows) != B * Q
+            pad = (L - np.asarray(ends))[:, None, None]
+            mask = (keys >= pad) & (keys - pad <= seen)
+            left = np.full((B, L), left_pad_slot, dtype=np.int32)
+            for b, (i, e) in enumerate(zip(idx, ends)):
+                t = tables[i]
+                left[b, L - e:] = [t[p // bs] * bs + p % bs for p in range(e)]
+        mask = mask[:, None]
+    if not contiguous:
+        q_index = (np.arange(B * Q).reshape(B, Q) if pad_rows else np.asarray(offsets)[:, None] + q).reshape(-1)
+    if ragged:
+        out_rows = np.flatnonzero(np.arange(Q)[None, :] < np.asarray(counts)[:, None])  # b * Q + r, real rows
     return BatchedAttention(
-        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab),
-        mask=None if mask.all() and not keep_mask else mx.array(mask),
-        q_index=None if contiguous else mx.array(q_index.reshape(-1)), row0=rows[0],
-        out_index=mx.array(np.asarray(out_rows, dtype=np.int32)) if ragged else None,
+        slices=tuple(idx), queries=Q, length=L, tables=mx.array(tab, dtype=mx.int32),
+        mask=None if mask is None else mx.array(mask),
+        q_index=None if q_index is None else mx.array(q_index.astype(np.int32)), row0=row0,
+        out_index=None if out_rows is None else mx.array(out_rows.astype(np.int32)),
         left_slots=None if left is None else mx.array(left.reshape(-1)),
     )
