@@ -50,8 +50,8 @@ def add_arguments(p) -> None:
                    "route but /health (401 without it), as vLLM's --api-key (default: the environment variable "
                    f"{API_KEY_ENV}, which keeps the key out of the process list; unset: no key)")
     p.add_argument("--max-body-bytes", type=int, metavar="N", help="the largest request body taken (413 past it: "
-                   "counted as it arrives, never held past N; default: 4 MiB, or 8 bytes per token of the model's context where "
-                   "that is more)")
+                   "counted as it arrives, never held past N; default: 4 MiB, or 8 bytes per token of the model's "
+                   "context where that is more)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N", help="connections "
                    "served at once; a request on one more is answered 503")
     p.add_argument("--engine", choices=ENGINES, default="divergence", help="what generates: this engine, or "
