@@ -13,7 +13,7 @@ import httpx
 from divergence.core.events import RunInfo
 from divergence.trace.writer import TraceWriter
 
-from .conftest import divergence, start_server, trace_of
+from .conftest import divergence, openai_client, start_server, trace_of
 
 OK = {"model": "target", "prompt": "def add(a, b):\n    ", "max_tokens": 3}
 
@@ -53,9 +53,9 @@ def test_live_traces_rotated_ones_and_their_rerun_are_0600_in_a_directory_kept_a
     shared.chmod(0o755)  # the user's choice: neither loosened nor tightened
     with _umask(0):
         s = start_server(tmp_path, "--trace-dir", str(shared), "--rotate-mb", "0.000001", "--ignore-eos")
-    try:
-        for _ in range(2):
-            assert httpx.post(s.base_url + "/completions", json=OK, timeout=120).status_code == 200
+    try:  # one request from the official client, one raw
+        assert openai_client(s).completions.create(**OK).usage.completion_tokens == 3
+        assert httpx.post(s.base_url + "/completions", json=OK, timeout=120).status_code == 200
     finally:
         assert s.stop() == 0
     live = sorted(shared.glob("live-*.h5"))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import h5py
@@ -15,7 +14,6 @@ import numpy as np
 import pytest
 
 from divergence.cli.main import main
-from divergence.core.request import Sampling
 from divergence.trace import schema as S
 from divergence.trace.reader import Trace
 from divergence.trace.redact import (
@@ -44,24 +42,16 @@ def v1_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fixture_pair(tmp_path_factory):
-    """A schema-2 pair of the fixture models under the demo settings (threshold:4, a draft),
-    the built-in prompts plus a sampled request (its draws hold token ids too)."""
-    from divergence.cli.common import default_model_dirs
-    from divergence.cli.run_cmd import DEMO_POLICY, DEMO_SPEC_K
-    from divergence.workloads.prompts import builtin_requests
-    from divergence.workloads.runner import RunConfig, load_models, run_schedules
+    """A schema-2 pair: `divergence run` of the fixture models under the demo settings
+    (threshold:4, a draft), the built-in prompts plus a sampled request (draws hold ids too)."""
+    from divergence.workloads.prompts import DEMO
 
-    target_dir, draft_dir = default_model_dirs()
-    for d in (target_dir, draft_dir):
-        if not (d / "config.json").exists() or not any(d.glob("*.safetensors")):
-            pytest.skip(f"fixture models not built ({d})")
-    cfg = RunConfig(model=target_dir, draft=draft_dir, policy=DEMO_POLICY, spec_k=DEMO_SPEC_K)
-    target, draft = load_models(cfg)
-    reqs = builtin_requests(target.encode)
-    reqs.append(replace(reqs[0], id="sampled", sampling=Sampling(0.8, 0.95, 7), max_tokens=24))
-    out = tmp_path_factory.mktemp("fixture")
-    run_schedules(cfg, target, draft, reqs, ["serial", "concurrent"], out)
-    return out / "serial.h5", out / "concurrent.h5"
+    d = tmp_path_factory.mktemp("fixture")
+    sampled = {"id": "sampled", "prompt": DEMO[0]["prompt"], "max_tokens": 24, "temperature": 0.8, "top_p": 0.95,
+               "seed": 7}
+    (d / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in (*DEMO, sampled)))
+    assert main(["run", "--prompts", str(d / "prompts.jsonl"), "--out", str(d / "out")]) == 0
+    return d / "out" / "serial.h5", d / "out" / "concurrent.h5"
 
 
 @pytest.fixture(scope="module", params=["v1", "fixture"])
