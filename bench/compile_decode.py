@@ -1,25 +1,26 @@
-"""What `mx.compile` buys a decode step, and whether it keeps mlx-lm's bits (issue 33).
+"""The engine's compiled decode step (model/compiled_step.py) against its eager step and mlx-lm.
 
-    python bench/compile_decode.py --models qwen0.5b --dtypes bfloat16     # on the GPU
-    python bench/compile_decode.py --quick                                 # the fixture, CPU
+    python bench/compile_decode.py --quick                            # a check that it runs (the fixture)
+    python bench/compile_decode.py --models fixture --dtypes float32,bfloat16,stored
+    python bench/compile_decode.py --models qwen0.5b,qwen0.5b-4bit --dtypes stored --batches 1,8,32,64
 
-Both engines are host-bound on the H200 at small B (a 0.5B step queues ~300 kernels in
-~3-5 ms while its weights stream in ~0.2 ms), so what removes launches and graph
-building is what could help. mlx-lm's own decode loop (its model, its KVCache, greedy,
-async_eval pipelined as generate_step) runs three ways, interleaved per repetition:
+Per model, dtype and batch size B, three arms interleaved in every repetition (the order
+rotates): the engine with its decode steps compiled, the same engine eager (Engine(
+compiled_step=True / False); native, prefill="mlx-lm", B prompts of equal length, all at
+once), and mlx-lm (generate_step at B=1, BatchGenerator above). Reported, medians over
+repetitions:
 
-* `eager`: as shipped;
-* `tail`: each decoder layer's part after attention (residual add, post-attention
-  norm, the MLP, residual add) as one `mx.compile`d function: elementwise ops fused,
-  its graph traced once per shape;
-* `mlp`: only the MLP compiled (mlx-lm's swiglu is compiled already).
+* ms per decode step (the median step interval of a run) of each arm, and the paired
+  ratios eager / compiled and mlx-lm / compiled (> 1: compiled is faster);
+* the host's graph-building time per decode step of each engine arm (PackedForward.execute's
+  wall time on the decode steps: what compiling removes; the rest of a step is MLX
+  encoding, the sampler, the commit and waiting on the device);
+* whether the compiled runs equal the eager ones bit for bit (tokens, top-k ids and
+  logits of every request) and mlx-lm's tokens;
+* on a GPU, the time the step's weights take to stream once at the device's memory
+  bandwidth: the physical floor of a decode step.
 
-The attention half stays eager in every variant: its KV-cache update is a slice write
-into a buffer that grows, which a compiled function cannot take without a recompile per
-length. Reported: ms per token (median step interval) and whether every step's logits
-equal `eager`'s bit for bit: a fused op that changes one rounding changes the numbers,
-and the engine may only adopt what keeps them. Writes bench/results/compile.json
-(--quick: a temp dir).
+Writes bench/results/compile.json (--quick: a temp dir).
 """
 from __future__ import annotations
 
@@ -31,123 +32,133 @@ import common as C  # noqa: I001  (first: sys.path + BLAS before mlx)
 from common import mx
 
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx.utils import tree_flatten
 
-VARIANTS = ("eager", "tail", "mlp")
+from bench_engine import mlx_batch, mlx_single
+from divergence.core.request import Request
+from divergence.engine.engine import Engine
 
-
-class CompiledTail:
-    """A decoder layer whose post-attention half runs as one compiled function."""
-
-    def __init__(self, layer, mode: str):
-        self.layer, self.mode = layer, mode
-        self.self_attn, self.input_layernorm = layer.self_attn, layer.input_layernorm
-        mlp, norm = layer.mlp, layer.post_attention_layernorm
-
-        def tail(x, r):
-            h = x + r
-            return h + mlp(norm(h))
-
-        self.tail = mx.compile(tail)
-        self.mlp = mx.compile(lambda h: mlp(h))
-        self.norm = norm
-
-    def __getattr__(self, name):  # what the model asks of its layers (use_sliding, ...)
-        return getattr(self.layer, name)
-
-    def __call__(self, x, mask=None, cache=None):
-        r = self.self_attn(self.input_layernorm(x), mask, cache)
-        if self.mode == "tail":
-            return self.tail(x, r)
-        h = x + r
-        return h + self.mlp(self.norm(h))
+ARMS = ("compiled", "eager", "mlx_lm")
+# memory bandwidth by device name (bytes / s): the weight-streaming floor of a step
+BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}
 
 
-def decode(model, prompt: list[int], n: int, layers) -> tuple[float, list[np.ndarray], list[int]]:
-    """generate_step's loop (greedy, the next step queued before this one's token is read)
-    over `layers`; returns (ms per token from the median step interval, logits, tokens)."""
-    inner = model.model
-    saved = inner.layers
-    cache = make_prompt_cache(model)
-    inner.layers = layers
-    try:
-        y = mx.array(prompt)
-        logits_seen, toks, stamps = [], [], []
+class BuildTimer:
+    """Wraps one engine's forward: the wall time of building each decode step's graph."""
 
-        def step(y):
-            logits = model(y[None], cache=cache)[:, -1, :]
-            return mx.argmax(logits, axis=-1), logits
+    def __init__(self, fwd):
+        self.decode_s: list[float] = []
+        inner = fwd.execute
 
-        nxt, lg = step(y)
-        mx.async_eval(nxt, lg)
-        for _ in range(n):
-            cur, cur_lg = nxt, lg
-            nxt, lg = step(cur)
-            mx.async_eval(nxt, lg)
-            toks.append(int(cur.item()))
-            logits_seen.append(np.array(cur_lg.astype(mx.float32)))
-            stamps.append(time.perf_counter())
-        mx.eval(nxt, lg)
-    finally:
-        inner.layers = saved
-    gaps = np.diff(stamps)
-    return float(np.median(gaps)) * 1000, logits_seen, toks
+        def execute(prep, *a, **kw):
+            t = time.perf_counter()
+            out = inner(prep, *a, **kw)
+            if prep.decode_queries == 1 and prep.rows == len(prep.plan.slices):
+                self.decode_s.append(time.perf_counter() - t)
+            return out
+        fwd.execute = execute
+
+    def take(self) -> float | None:
+        ms = C.med(self.decode_s)
+        self.decode_s = []
+        return None if ms is None else ms * 1000
 
 
-def bench_model(name: str, path, dtype, n: int, reps: int) -> dict:
+def engine_arm(eng: Engine, timer: BuildTimer, clock: C.Clock, prompts, n: int) -> dict:
+    reqs = [Request(f"r{i}", tuple(p), max_tokens=n) for i, p in enumerate(prompts)]
+    res = eng.run(reqs, "concurrent" if len(reqs) > 1 else "serial")
+    step = clock.split()["step_s_median"]
+    outs = [res.outputs[r.id] for r in reqs]
+    return {"ms_per_step": None if step is None else step * 1000, "build_ms": timer.take(),
+            "tokens": [o.tokens for o in outs],
+            "topk": [([a.tolist() for a in o.topk_ids], [a.view(np.uint32).tolist() for a in o.topk_logits])
+                     for o in outs]}
+
+
+def mlx_arm(model, prompts, n: int) -> dict:
+    r = mlx_single(model, prompts[0], n) if len(prompts) == 1 else mlx_batch(model, prompts, n)
+    rate = r["decode_tok_s"]
+    return {"ms_per_step": len(prompts) * 1000 / rate if rate else None, "tokens": r["tokens"]}
+
+
+def weight_stream_ms(loaded) -> tuple[int, float | None]:
+    nbytes = sum(v.nbytes for _, v in tree_flatten(loaded.model.parameters()))
+    if mx.default_device() != mx.gpu:
+        return nbytes, None
+    bw = BANDWIDTH.get(mx.device_info().get("device_name", ""))
+    return nbytes, None if bw is None else nbytes / bw * 1000
+
+
+def bench_model(name: str, path, dtype, batches, prompt_len: int, n: int, reps: int) -> list[dict]:
     t = C.load(path, dtype)
-    model = t.model
-    prompt = C.prompts(t.encode, 1, 32)[0]
-    eager = list(model.model.layers)
-    layers = {"eager": eager, "tail": [CompiledTail(la, "tail") for la in eager],
-              "mlp": [CompiledTail(la, "mlp") for la in eager]}
-    for v in VARIANTS:  # warm-up: compiles, and on CUDA the first run of a shape builds kernels
-        decode(model, prompt, 4, layers[v])
-    ms = {v: [] for v in VARIANTS}
-    ref_logits = ref_toks = None
-    same = {v: True for v in VARIANTS}
-    for rep in range(reps):
-        order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
-        for v in order:
-            m, lg, tk = decode(model, prompt, n, layers[v])
-            ms[v].append(m)
-            if v == "eager" and ref_logits is None:
-                ref_logits, ref_toks = lg, tk
-        # bits: every variant's logits against eager's first run (the same prompt, greedy)
-    for v in VARIANTS:
-        _, lg, tk = decode(model, prompt, n, layers[v])
-        same[v] = tk == ref_toks and all(np.array_equal(a, b) for a, b in zip(lg, ref_logits))
-    row = {"model": name, "dtype": t.dtype, "tokens": n, "reps": reps,
-           "ms_per_token": {v: C.med(ms[v]) for v in VARIANTS}, "samples_ms": ms,
-           "speedup_vs_eager": {v: C.paired_ratio(ms["eager"], ms[v]) for v in VARIANTS[1:]},
-           "same_bits_as_eager": same}
-    print(C.table([[name, t.dtype, v, C.fmt(row["ms_per_token"][v], 3),
-                    C.fmt(row["speedup_vs_eager"].get(v, 1.0)), same[v]] for v in VARIANTS],
-                  ["model", "dtype", "variant", "ms/token", "eager/variant", "same bits"]), flush=True)
-    return row
+    nbytes, floor_ms = weight_stream_ms(t)
+    ps = C.prompts(t.encode, max(batches), prompt_len)
+    clock = C.Clock()
+    engines, timers = {}, {}
+    for arm in ("compiled", "eager"):
+        engines[arm] = Engine(t, policy="native", stop_at_eos=False, prefill="mlx-lm", observers=[clock],
+                              token_budget=max(256, max(batches) * prompt_len), compiled_step=arm == "compiled")
+        timers[arm] = BuildTimer(engines[arm]._target_fwd)
+    rows = []
+    for b in batches:
+        prompts = ps[:b]
+        run = {"compiled": lambda: engine_arm(engines["compiled"], timers["compiled"], clock, prompts, n),
+               "eager": lambda: engine_arm(engines["eager"], timers["eager"], clock, prompts, n),
+               "mlx_lm": lambda: mlx_arm(t.model, prompts, n)}
+        for arm in ARMS:  # warm-up: traces, and on a GPU the first use of each shape builds kernels
+            run[arm]()
+        got = {a: [] for a in ARMS}
+        for rep in range(reps):
+            order = ARMS[rep % 3:] + ARMS[:rep % 3]
+            for arm in order:
+                got[arm].append(run[arm]())
+        ms = {a: [r["ms_per_step"] for r in got[a]] for a in ARMS}
+        build = {a: C.med([r["build_ms"] for r in got[a]]) for a in ("compiled", "eager")}
+        same = all(c["tokens"] == e["tokens"] and c["topk"] == e["topk"] for c, e in zip(got["compiled"], got["eager"]))
+        row = {"model": name, "dtype": t.dtype, "batch": b, "prompt_tokens": prompt_len, "tokens": n, "reps": reps,
+               "ms_per_step": {a: C.summary(ms[a]) for a in ARMS},
+               "eager_over_compiled": C.paired_ratio(ms["eager"], ms["compiled"]),
+               "mlx_lm_over_compiled": C.paired_ratio(ms["mlx_lm"], ms["compiled"]),
+               "mlx_lm_over_eager": C.paired_ratio(ms["mlx_lm"], ms["eager"]),
+               "build_ms_per_decode_step": build,
+               "compiled_equals_eager": same,
+               "tokens_equal_mlx_lm": sum(x == y for x, y in zip(got["compiled"][0]["tokens"], got["mlx_lm"][0]["tokens"])),
+               "weight_bytes": nbytes, "weight_stream_ms": floor_ms}
+        rows.append(row)
+        print(C.table([[name, t.dtype, b, C.fmt(C.med(ms["compiled"]), 3), C.fmt(C.med(ms["eager"]), 3),
+                        C.fmt(C.med(ms["mlx_lm"]), 3), C.fmt(row["eager_over_compiled"]),
+                        C.fmt(row["mlx_lm_over_compiled"]), C.fmt(build["compiled"], 3), C.fmt(build["eager"], 3),
+                        same, f"{row['tokens_equal_mlx_lm']}/{b}", C.fmt(floor_ms, 3)]],
+                      ["model", "dtype", "B", "compiled ms", "eager ms", "mlx-lm ms", "eager/comp", "mlx-lm/comp",
+                       "build comp", "build eager", "same bits", "= mlx-lm", "floor ms"]), flush=True)
+    return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default=None, help="comma list (default qwen0.5b; --quick: fixture)")
-    ap.add_argument("--dtypes", default="bfloat16", help="comma list: float32, bfloat16, stored")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--tokens", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--models", default=None, help="comma list (default fixture)")
+    ap.add_argument("--dtypes", default=None, help="comma list: float32, bfloat16, stored (default float32)")
+    ap.add_argument("--batches", default=None, help="batch sizes (default 1,8; --quick 1,2)")
+    ap.add_argument("--quick", action="store_true", help="a check that it runs: the fixture in fp32, B=1,2, 8 tokens, 1 rep")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens generated per request (default 64; --quick 8)")
+    ap.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 5; --quick 1)")
     ap.add_argument("--model-cache", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     meta = C.meta(a)
     target, _draft, _where = C.fixture_paths()
-    n = a.tokens or (16 if a.quick else 64)
+    batches = [int(x) for x in (a.batches or ("1,2" if a.quick else "1,8")).split(",")]
+    n = a.tokens or (8 if a.quick else 64)
+    reps = max(1, a.reps or (1 if a.quick else 5))
     results = []
-    for name in (a.models or ("fixture" if a.quick else "qwen0.5b")).split(","):
+    for name in (a.models or "fixture").split(","):
         path = C.model_path(name.strip(), target, a.model_cache)
-        for dtype in a.dtypes.split(","):
-            results.append(bench_model(name.strip(), path, None if dtype == "stored" else dtype, n,
-                                       max(3, a.reps)))
+        for dtype in (a.dtypes or "float32").split(","):
+            results.append(bench_model(name.strip(), path, None if dtype == "stored" else dtype, batches,
+                                       a.prompt, n, reps))
     out = C.out_path("compile", a.quick, a.out)
-    C.write_json(Path(out), {"meta": meta, "results": results})
+    C.write_json(Path(out), {"meta": meta, "device": str(mx.default_device()), "results": [r for x in results for r in x]})
     print(f"[bench] -> {out}")
 
 

@@ -138,7 +138,7 @@ class _LogitsTap:
         return out
 
 
-def _b1_problems(tmp_path_factory, bits, prompts_of) -> list[str]:
+def _b1_problems(tmp_path_factory, bits, prompts_of, compiled_step: bool | None = None) -> list[str]:
     """Where the engine's greedy tokens or top-k logits at B=1 differ from generate_step's."""
     import mlx.core as mx
     import numpy as np
@@ -153,7 +153,7 @@ def _b1_problems(tmp_path_factory, bits, prompts_of) -> list[str]:
     path = make_random_model(tmp_path_factory.mktemp("qwen05b"), dtype="bfloat16", quantize_bits=bits,
                              max_position_embeddings=32768, **QWEN05B)
     loaded = load_model(path)
-    engine = Engine(loaded, policy="native", stop_at_eos=False, prefill="mlx-lm")
+    engine = Engine(loaded, policy="native", stop_at_eos=False, prefill="mlx-lm", compiled_step=compiled_step)
     problems = []
     for i, prompt in enumerate(prompts_of(loaded)):
         got = engine.run([Request(f"r{i}", tuple(prompt), max_tokens=B1_TOKENS)], "serial").outputs[f"r{i}"]
@@ -174,16 +174,46 @@ def _b1_problems(tmp_path_factory, bits, prompts_of) -> list[str]:
     return problems
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
-def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits):
+def test_b1_native_is_generate_step_bit_for_bit(tmp_path_factory, bits, compiled):
     """Under `native` at B=1, with the prompt's last token computed as mlx-lm computes it
     (prefill="mlx-lm": its own one-row step), the engine's greedy tokens and top-k logits
     equal mlx-lm generate_step's own (tokens it yields, logits its model call returned), bit
     for bit, on the Qwen2.5-0.5B shape (random weights) in bf16 and 4-bit. (With the default
     whole-prompt prefill the last prompt row is computed inside the prefill's GEMM, where
     mlx-lm runs a one-row GEMV: on a GPU its logits then differ; see docs/your-model.md.)"""
-    problems = _b1_problems(tmp_path_factory, bits, lambda m: [m.encode(text) for text in B1_PROMPTS])
+    problems = _b1_problems(tmp_path_factory, bits, lambda m: [m.encode(text) for text in B1_PROMPTS], compiled)
     assert not problems, problems
+
+
+def _compiled_step_harness():
+    """tests/engine/test_compiled_step.py as a module (its per-op comparison of a compiled and an
+    eager forward), loaded by path: the tests are no package."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compiled_step_harness",
+                                                  ROOT / "tests" / "engine" / "test_compiled_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["bf16", "4bit"])
+def test_compiled_decode_step_is_eager_per_op(tmp_path_factory, bits):
+    """On MLX CUDA the compiled decode step (model/compiled_step.py) gives the eager step's bits:
+    every tap point of every layer, the logits, the K/V written and the kernel records, at
+    every decode step, B = 1 and 8, on the Qwen2.5-0.5B shape (random weights)."""
+    from divergence.engine.model.loading import load_model
+    from divergence.testing.models import make_random_model
+
+    harness = _compiled_step_harness()
+    path = make_random_model(tmp_path_factory.mktemp("qwen05b_compiled"), dtype="bfloat16", quantize_bits=bits,
+                             **QWEN05B)
+    loaded = load_model(path)
+    prompts = [loaded.encode(text) for text in B1_PROMPTS * 3]
+    for batch in (1, 8):
+        harness._compare(loaded, prompts[:batch])
 
 
 @pytest.mark.xfail(strict=False, reason="open: from 256 cached positions MLX CUDA's one-row SDPA numbers depend on "

@@ -83,7 +83,7 @@ def _compare(loaded, prompts) -> None:
     eager, eager_records, _ = _decode(loaded, prompts, compiled=False)
     comp, comp_records, compiled = _decode(loaded, prompts, compiled=True, feed=[s["tokens"] for s in eager])
     # the decode steps ran compiled: every segment traced at this batch size
-    assert {i for i, _ in compiled._traced} == set(range(compiled.fwd.num_layers + 1))
+    assert {key[0] for key in compiled._traced} == set(range(compiled.fwd.num_layers + 1))
     points = set()
     for s, (e, c) in enumerate(zip(eager, comp), start=1):
         assert [(layer, p) for layer, p, _ in c["taps"]] == [(layer, p) for layer, p, _ in e["taps"]], s

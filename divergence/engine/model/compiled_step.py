@@ -87,7 +87,7 @@ class CompiledDecode:
         self.tapped = tapped
         self.supported = all(m is None for m in fwd.moe)  # (a router's choices go to the trace: eager)
         self._segments = [mx.compile(self._segment_fn(i)) for i in range(fwd.num_layers + 1)]
-        # (segment, input signature) -> (the linear ops it runs, as the dispatcher records them;
+        # (segment, rows, inputs) -> (the linear ops it runs, as the dispatcher records them;
         # the (layer, point) of each tap output)
         self._traced: dict[tuple, tuple[list[tuple], list[tuple]]] = {}
 
@@ -121,7 +121,7 @@ class CompiledDecode:
 
     def _call(self, i: int, dispatch, tap, *args: mx.array) -> tuple:
         out = self._segments[i](*args)
-        calls, points = self._traced[(i, _signature(args))]
+        calls, points = self._traced[_key(i, args)]
         if dispatch.recording:
             for op, layer, m, dtype in calls:
                 dispatch.record_native(op, layer, m, dtype)
@@ -154,14 +154,17 @@ class CompiledDecode:
                     tap(L, "lm_head", out[0])
             else:
                 out = (h, *fwd.pre_attention(i, h, tracer, _rope_of(fwd, rope_in), tap))
-            self._traced[(i, _signature(args))] = (tracer.calls, [p for p, _ in seen])
+            self._traced[_key(i, args)] = (tracer.calls, [p for p, _ in seen])
             return out + tuple(x for _, x in seen)
 
         return segment
 
 
-def _signature(args) -> tuple:
-    return tuple((tuple(a.shape), a.dtype) for a in args)
+def _key(i: int, args) -> tuple:
+    """What a segment's trace depends on besides the forward: its rows and its inputs (how many;
+    their dtypes are the model's, fixed per forward). mx.compile keys its traces by every
+    input's shape and dtype; this only finds the records of the trace it used."""
+    return i, args[0].shape[0], len(args)
 
 
 def _rope_of(fwd, rope_in):
