@@ -39,6 +39,7 @@ class Trace(RecordViews):
         self.version = int(f.attrs["schema_version"])
         self._cache: dict = {}
         self.selected: frozenset | None = None  # select(): the requests an analysis compares (None: all)
+        self.rows_read: dict[str, int] = {}  # table -> records read so far (whole tables and ranges)
 
     # -- opening ---------------------------------------------------------------------
     @classmethod
@@ -178,8 +179,9 @@ class Trace(RecordViews):
                                               f"holds {n}")
 
     def select(self, request_ids) -> "Trace":
-        """Restrict what diff, bisect and report compare to these requests (`--requests`);
-        the tables stay whole. An id the trace lacks is a DivergenceInputError. Returns self."""
+        """Restrict what diff, bisect and report compare to these requests (`--requests`), and
+        read per request only their rows (trace/ranged.py). An id the trace lacks is a
+        DivergenceInputError. Returns self."""
         ids = [str(i) for i in request_ids]
         if not ids:
             raise DivergenceInputError("--requests names no request")
@@ -213,7 +215,6 @@ class Trace(RecordViews):
     def _raw(self, name: str) -> dict[str, np.ndarray]:
         """Every record of a table on disk (codes as stored), its schema columns complete."""
         t = S.TABLES[name]
-        widths = self._once("widths", self._widths)
         try:
             if self.version == 1:
                 cols = read_v1_table(self.f, t, refresh=self.swmr)
@@ -223,14 +224,22 @@ class Trace(RecordViews):
             raise
         except Exception as e:  # noqa: BLE001  (HDF5: OSError, KeyError, TypeError of a foreign object)
             raise validate.damaged(self.path, f"cannot read /{name} ({e})") from None
+        return self._columns(name, cols)
+
+    def _columns(self, name: str, cols: dict[str, np.ndarray], *, partial: bool = False) -> dict[str, np.ndarray]:
+        """Columns of a table as stored (every row; `partial`: some, trace/ranged.py) checked,
+        its schema columns complete (each missing one its default)."""
+        t = S.TABLES[name]
+        widths = self._once("widths", self._widths)
         validate.table(self, name, cols, widths)
         n = len(next(iter(cols.values()))) if cols else 0
+        self.rows_read[name] = self.rows_read.get(name, 0) + n
         out = {}
         for col, c in t.columns.items():
             out[col] = cols[col] if col in cols else S.default_array(c, n, S.column_width(c, widths))
         for col, src in t.derived.items():
             out[col] = cols[col] if col in cols else out[src].copy()
-        validate.contents(self, name, out)
+        validate.contents(self, name, out, partial=partial)
         return out
 
     def _rows(self, name: str) -> int:
@@ -306,8 +315,8 @@ class Trace(RecordViews):
             keep = t["step"] <= last
             return t if keep.all() else {k: v[keep] for k, v in t.items()}
         t = self._once(("visible", name), load)
-        if name == "tokens":  # every command reads the tokens: check the other tables then too (once)
-            self.check()
+        if name == "tokens" and not self.ranged:  # every command reads the tokens: check the other tables then
+            self.check()  # too (once); a large trace's readers check the rows they read (trace/ranged.py)
         return t
 
     def has_table(self, name: str) -> bool:

@@ -72,7 +72,7 @@ def table(trace, name: str, cols: dict[str, np.ndarray], widths: dict) -> None:
             raise damaged(trace.path, f"/{name} column {col} holds {len(a)} rows, not {n}")
 
 
-def contents(trace, name: str, t: dict[str, np.ndarray]) -> None:
+def contents(trace, name: str, t: dict[str, np.ndarray], *, partial: bool = False) -> None:
     """Codes known, request indices within /requests, offsets within the tables they point into."""
     spec = S.TABLES[name]
     n = len(next(iter(t.values()))) if t else 0
@@ -103,10 +103,10 @@ def contents(trace, name: str, t: dict[str, np.ndarray]) -> None:
             raise damaged(trace.path, f"/{name} row {i}: {col} {int(off[i])} + {count} {int(cnt[i])} is past the "
                                       f"end of /{target} ({limit} rows)")
     if name == "tokens":
-        _tokens(trace, t)
+        _tokens(trace, t, partial)
 
 
-def _tokens(trace, t: dict[str, np.ndarray]) -> None:
+def _tokens(trace, t: dict[str, np.ndarray], partial: bool = False) -> None:
     ids, logits = t["topk_ids"], t["topk_logits"]
     if ids.shape != logits.shape:
         raise damaged(trace.path, f"/tokens topk_ids is {ids.shape[1:]} wide but topk_logits {logits.shape[1:]}")
@@ -115,7 +115,7 @@ def _tokens(trace, t: dict[str, np.ndarray]) -> None:
         i = int(np.flatnonzero(bad.any(axis=1))[0])
         raise damaged(trace.path, f"/tokens row {i}: a recorded top-k id ({int(ids[i][bad[i]][0])}) has a NaN "
                                   f"logit (damaged, or the model produced NaN)")
-    if not trace.completed:
+    if partial or not trace.completed:  # (partial: some requests' rows, trace/ranged.py)
         return
     # a completed run: every finished request has its tokens, none after its finish
     ev = trace.table("request_events", raw=True)
