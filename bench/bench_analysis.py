@@ -64,7 +64,7 @@ def bench_bisect(quick: bool) -> dict:
     from divergence.analysis.bisect import bisect_traces
     from divergence.analysis.diff import diff_traces
 
-    n = 5_000 if quick else 50_000
+    n = 500 if quick else 50_000
     tmp = Path(tempfile.mkdtemp())
     t0 = time.perf_counter()
     synthetic_trace(tmp / "a.h5", tokens_per_request=n)
@@ -97,7 +97,7 @@ def bench_tracing(quick: bool) -> dict:
     t = load_model(TARGET)
     prompts = ["Return the number of", "This module provides", "Create a new", "Open file and return",
                "The socket module", "Convert a number", "Decode the object", "If the object"]
-    n_tok = 24 if quick else 64
+    n_tok = 4 if quick else 64
     out = {}
     tmp = Path(tempfile.mkdtemp())
     for b in (1, 8):

@@ -26,7 +26,7 @@ from divergence.engine.engine import Engine
 
 FULL = dict(batches=(1, 8, 32, 64), contexts=(128, 1024, 4096), grid_context=512, tokens=32,
             prefill=(512, 4096), reps=3)
-QUICK = dict(batches=(1, 4), contexts=(32, 128), grid_context=64, tokens=8, prefill=(64, 256), reps=3)
+QUICK = dict(batches=(1, 2), contexts=(32,), grid_context=32, tokens=4, prefill=(32,), reps=1)  # a check, not a measurement
 
 
 def points(sz: dict) -> list[tuple[int, int]]:

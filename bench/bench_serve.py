@@ -213,9 +213,11 @@ def main() -> int:
     args = ap.parse_args()
     t_start = time.monotonic()
     load_before = os.getloadavg()  # (other work on the machine: the ratios' noise)
-    args.max_tokens = args.max_tokens or (16 if args.quick else 64)
-    args.max_prompt = args.max_prompt or (64 if args.quick else 256)
-    args.reps = args.reps or (3 if args.quick else 5)
+    args.max_tokens = args.max_tokens or (4 if args.quick else 64)
+    args.max_prompt = args.max_prompt or (16 if args.quick else 256)
+    args.reps = args.reps or (1 if args.quick else 5)
+    if args.quick:  # a check that it runs, not a measurement
+        args.requests, args.warmup = min(args.requests, 4), min(args.warmup, 1)
     modes = [m for m in args.modes.split(",") if m]
     target, draft, where = C.fixture_paths(None if args.target in (None, "fixture") else args.target, args.draft)
     if args.target and not Path(args.target).is_dir():

@@ -36,14 +36,14 @@ from divergence.engine.engine import Engine
 from divergence.core.request import Request
 
 SPEC = dict(prompts=4, prompt=24, tokens=64, reps=3)
-SPEC_QUICK = dict(prompts=3, prompt=24, tokens=32, reps=3)
+SPEC_QUICK = dict(prompts=1, prompt=16, tokens=8, reps=1)  # a check, not a measurement
 # Shared-system-prompt workload per model: system prompt, user suffix, requests, generated tokens.
 PREFIX = {
     "fixture": dict(system=256, suffix=16, requests=8, tokens=8, reps=5),
     "qwen0.5b": dict(system=128, suffix=8, requests=4, tokens=2, reps=3),
 }
 PREFIX_QUICK = {
-    "fixture": dict(system=256, suffix=16, requests=8, tokens=8, reps=3),
+    "fixture": dict(system=32, suffix=8, requests=2, tokens=2, reps=1),
     "qwen0.5b": dict(system=64, suffix=8, requests=3, tokens=2, reps=3),
 }
 
@@ -294,7 +294,7 @@ def main():
     ap.add_argument("--model-cache", default=None, help="where the random qwen0.5b model is generated/reused")
     ap.add_argument("--out", default=None, help="default bench/results/speculative.json (--quick: a temp dir)")
     a = ap.parse_args()
-    a.ks = a.ks or ("2,4" if a.quick else "1,2,3,4,5,6")
+    a.ks = a.ks or ("2" if a.quick else "1,2,3,4,5,6")
     a.dtypes = a.dtypes or ("float32" if a.quick else "bfloat16,float32")
     a.out = C.out_path("speculative", a.quick, a.out)
     meta = C.meta(a)  # at the start: the engine commit that was measured

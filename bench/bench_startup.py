@@ -3,7 +3,7 @@ signatures and backend proofs probed (cold: what a process pays on a new backend
 from the user cache dir (warm: every later process).
 
     python bench/bench_startup.py                  # fixture + qwen0.5b shape, float32, 7 reps
-    python bench/bench_startup.py --quick          # the fixture, 5 reps
+    python bench/bench_startup.py --quick          # the fixture, 1 rep: a check
 
 Each repetition starts as a new process would, after loading the model: empty in-memory
 stores (signatures, proofs, the vocabulary table), a new Engine and TraceWriter, 8 requests
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     a.models = a.models or ("fixture" if a.quick else "fixture,qwen0.5b")
-    a.reps = 5 if a.quick else max(5, a.reps)
+    a.reps = 1 if a.quick else max(5, a.reps)
     out = C.out_path("startup", a.quick, a.out)
     meta = C.meta(a)
     target, _, _ = C.fixture_paths(None, None)

@@ -109,7 +109,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.quick:
-        a.n, a.loop_runs, a.long = min(a.n, 40), min(a.loop_runs, 4), min(a.long, 8)
+        a.n, a.loop_runs, a.long = min(a.n, 8), min(a.loop_runs, 1), min(a.long, 2)
     out = C.out_path("sweep", a.quick, a.out)
     meta = C.meta(a)
     results, rows = [], []

@@ -38,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)  # set for the ranks by the parent
     a = p.parse_args(argv)
     a.dtypes = a.dtypes or ("float32" if a.quick else "float32,bfloat16")
-    a.max_tokens = a.max_tokens or (8 if a.quick else 24)
+    a.max_tokens = a.max_tokens or (4 if a.quick else 24)
+    if a.quick:  # a check that it runs, not a measurement
+        a.reps, a.batch, a.prompt_len = 1, 2, 8
     return a
 
 

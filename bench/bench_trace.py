@@ -249,7 +249,7 @@ def writer_thread_cost(writers: dict, n_steps: int, step_s: float) -> list[dict]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="the fixture, 5 reps, no v1, a short writer-only run")
+    ap.add_argument("--quick", action="store_true", help="the fixture, 1 rep of 4 tokens, no v1, a short writer-only run: a check")
     ap.add_argument("--models", default=None, help="comma list of: fixture, qwen0.5b (default both; --quick: fixture)")
     ap.add_argument("--dtypes", default="float32", help="comma list of: float32, bfloat16, float16")
     ap.add_argument("--reps", type=int, default=5)
@@ -264,8 +264,9 @@ def main() -> None:
     args = ap.parse_args()
     args.models = args.models or ("fixture" if args.quick else "fixture,qwen0.5b")
     args.v1_rev = ("" if args.quick else "6d4603a") if args.v1_rev is None else args.v1_rev
-    if args.quick:
-        args.writer_steps = min(args.writer_steps, 50)
+    if args.quick:  # a check that it runs, not a measurement
+        args.writer_steps = min(args.writer_steps, 20)
+        args.reps, args.tokens = min(args.reps, 1), min(args.tokens, 4)
     args.out = C.out_path("trace", args.quick, args.out)
 
     writers = {"v2": TraceWriter}

@@ -23,6 +23,7 @@ Writes bench/results/profile.json.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -278,8 +279,11 @@ def main():
     ap.add_argument("--out", default=None, help="default bench/results/profile.json (--quick: a temp dir)")
     a = ap.parse_args()
     a.models = a.models or ("fixture" if a.quick else "fixture,qwen0.5b")
-    if a.quick:
-        a.tokens, a.reps = a.tokens or 16, a.reps or 2
+    if a.quick:  # a check that it runs, not a measurement
+        a.tokens, a.reps, a.no_pyinstrument = a.tokens or 4, a.reps or 1, True
+    if not a.no_pyinstrument and importlib.util.find_spec("pyinstrument") is None:
+        print("[bench] pyinstrument is not installed: no text profiles (pip install pyinstrument)")
+        a.no_pyinstrument = True
     a.out = C.out_path("profile", a.quick, a.out)
     meta = C.meta(a)  # at the start: the engine commit that was measured
     t0 = time.perf_counter()

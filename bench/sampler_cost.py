@@ -65,7 +65,7 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     if a.quick:
-        a.reps, a.iters = min(a.reps, 2), min(a.iters, 10)
+        a.reps, a.iters, a.rows = min(a.reps, 1), min(a.iters, 2), "8"
     a.out = C.out_path("sampler_cost", a.quick, a.out)
     meta = C.meta(a)
     sides = {"engine": engine_sampler(a.top_k), "engine, ids only": engine_sampler(a.top_k, False),
