@@ -16,10 +16,14 @@ Replay (`confirm`) turns the lead into proof.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..core.names import MODELS
 from .cause import CACHE_CONTAMINATION, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, ReplayBisection, RootCause
+from .confirmation import Confirmation, Confirmer
+from .ops import FirstOp
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
 from .environment import environment_differs
 from .routing import find_routing_flip
@@ -43,15 +47,24 @@ def _lead_without_hashes(a, b, rd: RequestDiff, d: DiffReport) -> str:
             f"step changed: divergence bisect {d.path_a} {d.path_b} --confirm-cmd CMD")
 
 
-def as_environment_cause(a, b, cause: RootCause) -> None:
+def as_environment_cause(a, b, cause: RootCause) -> RootCause:
     """Two runs of one schedule in different numeric environments: where the lead is the same
     step, with the same composition in both, what changed its bits is the environment (the
-    BLAS, its core, the device), not the batch. The cause says so, with the fields."""
+    BLAS, its core, the device), not the batch. The cause, said so with the fields; else the
+    cause as it was."""
     env = environment_differs(a, b)
     if not env or cause.kind == SAMPLER or a.meta.get("schedule") != b.meta.get("schedule"):
-        return
+        return cause
     if cause.a.step == cause.b.step and cause.a.composition == cause.b.composition:
-        cause.kind, cause.env_diff = ENVIRONMENT, env
+        return replace(cause, kind=ENVIRONMENT, env_diff=env)
+    return cause
+
+
+def complete_cause(a, b, rd: RequestDiff, lead: RootCause) -> RootCause:
+    """The lead with what the pair adds to it: the routing flip on its path (MoE), what
+    tensor parallelism did at its step, and its kind once the environments are weighed."""
+    return as_environment_cause(a, b, replace(lead, routing_flip=_routing_flip(a, b, rd),
+                                              tensor_parallel=tp_describe(a, b, lead)))
 
 
 def find_root_cause(a, b, d: RequestDiff) -> RootCause | None:
@@ -195,22 +208,26 @@ def _routing_flip(a, b, rd: RequestDiff):
     return find_routing_flip(a, b, rd.id, position=site.position, step_a=site.step_a, step_b=site.step_b)
 
 
-def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector=None,
+def bisect_traces(a, b, *, confirm: bool = False, confirmer: Confirmer | None = None, replay_bisector=None,
                   bitwise: bool = False, op_finder=None, only=None) -> BisectReport:
-    """a, b: open Traces. With confirm, `replayer(cause, request_diff)` -> (bool, detail)
-    replays B with the root-cause step forced to A's kernels (see analysis.replayer).
+    """a, b: open Traces. With confirm, `confirmer` (analysis.confirmation.Confirmer) proves
+    each cause by a re-run; it is prepared with every (cause, request diff) first, so that
+    requests forced alike share one replay.
     Traces without KV hashes need `replay_bisector(request_diff)` -> ReplayBisection (or the
     tuple of its fields): a binary search over steps by replay
-    (analysis.confirm.make_replay_bisector); why_not_found goes to BisectReport.unexplained.
+    (analysis.confirm.make_replay_bisector), whose replays confirm the cause it finds;
+    why_not_found goes to BisectReport.unexplained.
     bitwise: requests whose tokens match but whose logits differ are diverged and get causes.
     op_finder(cause, request_diff) -> (OpDifference | None, detail): replays both root
     steps recording every op's output rows (analysis.replayer.make_op_finder)."""
     d = diff_traces(a, b, bitwise=bitwise)
     causes: dict[str, RootCause] = {}
+    confirmations: dict[str, Confirmation] = {}
     unexplained: dict[str, str] = {}
     hashed = a.has_kv_hashes and b.has_kv_hashes
     mode = "kv-hashes"
     replays = 0
+    diffs = {rd.id: rd for rd in d.requests}
     for rd in d.requests:
         if rd.status != DIVERGED or (rd.first_divergent_token is None and rd.first_numeric_divergence is None):
             continue
@@ -226,25 +243,20 @@ def bisect_traces(a, b, *, confirm: bool = False, replayer=None, replay_bisector
             replays += got.replays
             if cause is None and got.why_not_found:
                 unexplained[rd.id] = got.why_not_found
+            if cause is not None and got.confirmation is not None:
+                confirmations[rd.id] = got.confirmation
         else:
             cause = None
             unexplained[rd.id] = _lead_without_hashes(a, b, rd, d)
         if cause is not None:
-            cause.routing_flip = _routing_flip(a, b, rd)
-            cause.tensor_parallel = tp_describe(a, b, cause)
-            causes[rd.id] = cause
+            causes[rd.id] = complete_cause(a, b, rd, cause)
     if not hashed:
         mode = (f"replay bisection: the traces have no KV hashes, so steps were bisected by replay "
                 f"({replays} replays)") if replay_bisector is not None else "none: no KV hashes and no replay"
-    for cause in causes.values():
-        as_environment_cause(a, b, cause)
-    if confirm and replayer is not None and hashed:
-        prepare = getattr(replayer, "prepare", None)  # work the confirmations can share (one replay)
-        if prepare is not None:
-            prepare([(cause, next(r for r in d.requests if r.id == rid)) for rid, cause in causes.items()])
+    if confirm and confirmer is not None and hashed:
+        confirmer.prepare([(cause, diffs[rid]) for rid, cause in causes.items()])
         for rid, cause in causes.items():
-            cause.confirmed, cause.confirm_detail = replayer(cause, next(r for r in d.requests if r.id == rid))
-    if op_finder is not None and hashed:
-        for rid, cause in causes.items():
-            cause.first_op, cause.first_op_detail = op_finder(cause, next(r for r in d.requests if r.id == rid))
-    return BisectReport(d, causes, mode, confirm or not hashed, unexplained)
+            confirmations[rid] = confirmer.confirm(cause, diffs[rid])
+    first_ops = {rid: FirstOp(*op_finder(cause, diffs[rid])) for rid, cause in causes.items()} \
+        if op_finder is not None and hashed else {}
+    return BisectReport(d, causes, mode, confirm or not hashed, unexplained, confirmations, first_ops)

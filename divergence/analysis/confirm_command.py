@@ -31,6 +31,7 @@ from ..errors import DivergenceInputError
 from ..record.jsonl import import_records
 from ..trace.reader import Trace
 from .cause import BY_COMMAND
+from .confirmation import BaseConfirmer, Confirmation
 from .diff import check_comparable
 from .rerun_asks import AnyChange, Kernels, Split
 from .rerun_check import check_rerun
@@ -73,36 +74,39 @@ def asked_of(used: set, cause, force: str):
     return AnyChange()
 
 
-def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str = "B", *,
-                           workdir=None, timeout: float | None = None, keep: bool = False):
-    """confirm(cause, request_diff) -> (confirmed, detail), for bisect_traces(replayer=...); it
-    sets cause.confirmed_by to BY_COMMAND where it ran the command. The re-runs go to
-    workdir, else to a temporary directory removed with the confirmer (when bisect is done
-    with it) unless keep; `confirm.close()` removes it at once."""
-    check_template(template)
-    used = set(_FIELD.findall(template))
-    scratch = None
-    if workdir:
-        work = Path(workdir)
-    elif keep:
-        work = Path(tempfile.mkdtemp(prefix="divergence-confirm-"))
-    else:
-        scratch = tempfile.TemporaryDirectory(prefix="divergence-confirm-")
-        work = Path(scratch.name)
-    runs: dict[str, Path] = {}  # filled command (without {out}) -> trace it wrote
+class CommandConfirmer(BaseConfirmer):
+    """Proves causes by re-running the user's engine (a Confirmer of analysis.confirmation),
+    by BY_COMMAND. The re-runs go to workdir, else to a temporary directory removed by
+    close() (bisect's end) unless keep; kept re-runs are the Confirmation's artifacts."""
 
-    def run(cause, rid: str) -> tuple[Path, str]:
-        values = {"trace": b.path, "step": cause.b.step, "requests": ",".join(cause.co_batched_b),
+    def __init__(self, a, b, template: str, label_a: str = "A", label_b: str = "B", *,
+                 workdir=None, timeout: float | None = None, keep: bool = False):
+        check_template(template)
+        self.a, self.b, self.template, self.label_a, self.label_b = a, b, template, label_a, label_b
+        self.timeout, self.kept = timeout, bool(keep or workdir)
+        self.used = set(_FIELD.findall(template))
+        self.scratch = None  # its finalizer removes the directory when the confirmer goes, if close() did not
+        if workdir:
+            self.work = Path(workdir)
+        elif keep:
+            self.work = Path(tempfile.mkdtemp(prefix="divergence-confirm-"))
+        else:
+            self.scratch = tempfile.TemporaryDirectory(prefix="divergence-confirm-")
+            self.work = Path(self.scratch.name)
+        self.runs: dict[str, Path] = {}  # filled command (without {out}) -> trace it wrote
+
+    def run(self, cause, rid: str) -> tuple[Path, str]:
+        values = {"trace": self.b.path, "step": cause.b.step, "requests": ",".join(cause.co_batched_b),
                   "request": rid, "force": force_for(cause)}
-        key = fill(template, {**values, "out": "\0"})
-        if key in runs:
-            return runs[key], values["force"]
-        out = work / f"step{cause.b.step}-{len(runs)}.h5"
-        cmd = fill(template, {**values, "out": out})
+        key = fill(self.template, {**values, "out": "\0"})
+        if key in self.runs:
+            return self.runs[key], values["force"]
+        out = self.work / f"step{cause.b.step}-{len(self.runs)}.h5"
+        cmd = fill(self.template, {**values, "out": out})
         try:
-            p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=timeout)
+            p = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=self.timeout)
         except subprocess.TimeoutExpired:
-            raise DivergenceInputError(f"--confirm-cmd ran past {timeout:g} s: {cmd}") from None
+            raise DivergenceInputError(f"--confirm-cmd ran past {self.timeout:g} s: {cmd}") from None
         if p.returncode != 0:
             last = (p.stderr.strip().splitlines() or p.stdout.strip().splitlines() or [""])[-1]
             why = f" ({last.strip()[:200]})" if last.strip() else ""
@@ -113,26 +117,24 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
             out = trace
         if not out.is_file():
             raise DivergenceInputError(f"--confirm-cmd wrote nothing at {{out}} ({out}): {cmd}")
-        runs[key] = out
+        self.runs[key] = out
         return out, values["force"]
 
-    def confirm(cause, rd):
-        got = rerun_confirm(cause, rd)
-        cause.confirmed_by = BY_COMMAND if got[0] is not None else None
-        return got
-
-    def rerun_confirm(cause, rd):
+    def confirm(self, cause, rd) -> Confirmation:
         if cause.kind == "sampler":
-            return None, "a sampler cause has no kernel to change"
-        path, force = run(cause, rd.id)
+            return Confirmation(None, "a sampler cause has no kernel to change")
+        a, label_a, label_b = self.a, self.label_a, self.label_b
+        path, force = self.run(cause, rd.id)
         tok = rd.first_divergent_token
         n = (tok.generated_index + 1) if tok is not None else rd.compared
-        where = f" ({path})" if keep or workdir else ""
+        where = f" ({path})" if self.kept else ""
+        kept = (str(path),) if self.kept else ()
         with Trace.open(path) as got:
             check_comparable(a, got)
-            valid = check_rerun(b, got, cause.b.step, asked_of(used, cause, force))
+            valid = check_rerun(self.b, got, cause.b.step, asked_of(self.used, cause, force))
             if not valid:
-                return False, f"not a valid re-run of {label_b}: {valid.first_difference} (--confirm-cmd){where}"
+                return Confirmation(False, f"not a valid re-run of {label_b}: {valid.first_difference} "
+                                           f"(--confirm-cmd){where}", BY_COMMAND, kept)
             ta, tg = a.tokens(rd.id), got.tokens(rd.id)
             want, have = [int(t) for t in ta.tokens[:n]], [int(t) for t in tg.tokens[:n]]
             la = np.asarray(ta.topk_logits[:n], np.float32).view(np.uint32)
@@ -142,14 +144,12 @@ def make_command_confirmer(a, b, template: str, label_a: str = "A", label_b: str
         if have == want:
             exact = ", bit for bit" if la.shape == lg.shape and bool((la == lg).all()) else \
                 " (tokens; some logits still differ)"
-            return True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}{where}"
+            return Confirmation(True, f"{what} makes {rd.id} match {label_a} up to the divergence{exact}{where}",
+                                BY_COMMAND, kept)
         first = next((i for i, (x, y) in enumerate(zip(have, want)) if x != y), min(len(have), len(want)))
-        return False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}{where}"
+        return Confirmation(False, f"{what}: {rd.id} still differs from {label_a} at generated #{first}{where}",
+                            BY_COMMAND, kept)
 
-    def close():
-        if scratch is not None:
-            scratch.cleanup()
-
-    confirm.close = close
-    confirm.scratch = scratch  # its finalizer removes the directory when the confirmer goes
-    return confirm
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.scratch.cleanup()

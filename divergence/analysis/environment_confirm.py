@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import ReplayError
 from ..trace.reader import Trace
 from .cause import BY_ENVIRONMENT
+from .confirmation import BaseConfirmer, Confirmation
 from .environment import child_environment, recorded, reproduction
 from .force_spec import force_args
 
@@ -65,40 +66,41 @@ def save_tap(rows, path) -> None:
         pickle.dump(rows, f)
 
 
-def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a: str = "A", label_b: str = "B"):
-    """confirm(cause, request_diff) -> (bool | None, detail) for an `environment` cause: B's run
-    replayed (unforced: its own plans, tokens and draws) under A's recorded environment must give
-    A's tokens and top-k logits for the request, bit for bit, up to the divergence."""
-    state: dict = {}
-    work = tempfile.TemporaryDirectory(prefix="divergence-env-")
+class EnvironmentConfirmer(BaseConfirmer):
+    """Proves an `environment` cause (a Confirmer of analysis.confirmation), by BY_ENVIRONMENT:
+    B's run replayed (unforced: its own plans, tokens and draws) under A's recorded
+    environment must give A's tokens and top-k logits for the request, bit for bit, up to
+    the divergence. One replay, in a child process, serves every request; close() releases it."""
 
-    def replayed():
+    def __init__(self, a, b, *, model_dir=None, draft_dir=None, label_a: str = "A", label_b: str = "B"):
+        self.a, self.b, self.model_dir, self.draft_dir = a, b, model_dir, draft_dir
+        self.label_a, self.label_b = label_a, label_b
+        self.work = tempfile.TemporaryDirectory(prefix="divergence-env-")
+        self.state: dict = {}
+        self.cause_fields: list = []  # the recorded fields the first environment cause names
+
+    def replayed(self):
+        state = self.state
         if "trace" not in state:
             state["trace"] = None
             try:  # (a field this machine cannot reproduce is the ReplayError's line)
-                path = replay_in_child(b, under=a, model_dir=model_dir, draft_dir=draft_dir,
-                                       workdir=work.name)
+                path = replay_in_child(self.b, under=self.a, model_dir=self.model_dir, draft_dir=self.draft_dir,
+                                       workdir=self.work.name)
             except ReplayError as e:
                 state["why"] = str(e)
                 return None
             state["trace"] = Trace.open(path)
-            want = recorded(a)
-            state["how"] = ", ".join(f"{k} {want[k]}" for k in (cause_fields or ("blas_core",)) if k in want)
+            want = recorded(self.a)
+            state["how"] = ", ".join(f"{k} {want[k]}" for k in (self.cause_fields or ("blas_core",)) if k in want)
         return state["trace"]
 
-    cause_fields: list = []
-
-    def confirm(cause, rd):
-        got = env_confirm(cause, rd)
-        cause.confirmed_by = BY_ENVIRONMENT if got[0] is not None else None
-        return got
-
-    def env_confirm(cause, rd):
-        if not cause_fields and cause.env_diff:
-            cause_fields.extend(cause.env_diff)
-        got = replayed()
+    def confirm(self, cause, rd) -> Confirmation:
+        a, label_a, label_b = self.a, self.label_a, self.label_b
+        if not self.cause_fields and cause.env_diff:
+            self.cause_fields.extend(cause.env_diff)
+        got = self.replayed()
         if got is None:
-            return None, state["why"]
+            return Confirmation(None, self.state["why"])
         tok = rd.first_divergent_token
         n = tok.generated_index + 1 if tok is not None else rd.compared
         ta, tg = a.tokens(rd.id), got.tokens(rd.id)
@@ -108,16 +110,15 @@ def make_environment_confirmer(a, b, *, model_dir=None, draft_dir=None, label_a:
         bitwise = same and la.shape == lg.shape and bool((la == lg).all())
         upto = f"up to position {tok.position}, where it diverged" if tok is not None else \
             f"over its {n} compared tokens"
+        how = self.state["how"]
         if bitwise:
-            return True, (f"replaying {label_b} under {label_a}'s recorded environment ({state['how']}) gives "
-                          f"{rd.id} {label_a}'s tokens and logits bit for bit {upto}")
-        return False, (f"replaying {label_b} under {label_a}'s environment ({state['how']}) still differs from "
-                       f"{label_a} for {rd.id} {upto}: the recorded fields do not explain it")
+            return Confirmation(True, f"replaying {label_b} under {label_a}'s recorded environment ({how}) gives "
+                                      f"{rd.id} {label_a}'s tokens and logits bit for bit {upto}", BY_ENVIRONMENT)
+        return Confirmation(False, f"replaying {label_b} under {label_a}'s environment ({how}) still differs from "
+                                   f"{label_a} for {rd.id} {upto}: the recorded fields do not explain it",
+                            BY_ENVIRONMENT)
 
-    def close() -> None:
-        if state.get("trace") is not None:
-            state["trace"].close()
-        work.cleanup()
-
-    confirm.close = close
-    return confirm
+    def close(self) -> None:
+        if self.state.get("trace") is not None:
+            self.state["trace"].close()
+        self.work.cleanup()

@@ -53,6 +53,15 @@ class OpDifference:
                 "compared_positions": self.compared_positions, "text": self.text()}
 
 
+@dataclass(frozen=True)
+class FirstOp:
+    """What comparing the two root-cause steps op by op found for one request (--ops): the
+    first op that differed, or None and why none is named."""
+
+    difference: OpDifference | None
+    detail: str = ""
+
+
 def first_op_difference(a: OpRows, b: OpRows, only=None) -> OpDifference | None:
     """The first (layer, op), in B's forward order, where a position both sides computed
     has other bits; None when every recorded op is equal on the common positions.

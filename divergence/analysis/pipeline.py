@@ -17,13 +17,14 @@ from typing import Callable
 
 from ..errors import DivergenceInputError
 from .bisect import bisect_traces
-from .cause import BY_REPLAY_UNSHARDED, ENVIRONMENT, BisectReport
-from .confirm import make_confirmer, make_replay_bisector
-from .confirm_command import make_command_confirmer
+from .cause import ENVIRONMENT, BisectReport
+from .confirm import ReplayConfirmer, make_replay_bisector
+from .confirm_command import CommandConfirmer
+from .confirmation import ByKind, Confirmer
 from .diff import pair_labels
 from .environment import environment_differs
-from .environment_confirm import make_environment_confirmer
-from .tp import make_tp_confirmer
+from .environment_confirm import EnvironmentConfirmer
+from .tp import TensorParallelConfirmer
 
 
 @dataclass
@@ -69,10 +70,10 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
             opts.note(f"note: --ops replays one device op by op with divergence's engine, and {why}: the first op "
                       f"that differed is not looked for")
         ops = False
-    confirmer = bisector = op_finder = None
-    closers = []
+    confirmer: Confirmer | None = None
+    bisector = op_finder = None
     if opts.confirm_cmd:  # the user's engine confirms (traces of other engines)
-        confirmer = make_command_confirmer(a, b, opts.confirm_cmd, *labels, keep=opts.keep)
+        confirmer = CommandConfirmer(a, b, opts.confirm_cmd, *labels, keep=opts.keep)
     elif opts.replay and (opts.confirm or ops or not (a.has_kv_hashes and b.has_kv_hashes) and not foreign(a, b)):
         # (--confirm on another engine's traces: check_replayable refuses them, in one line)
         from .replayer import Replayer, check_replayable, make_op_finder  # (lazy: the engine's door loads a BLAS)
@@ -82,44 +83,20 @@ def analyze_pair(a, b, opts: AnalysisOptions | None = None) -> BisectReport:
             check_replayable(b)
         make = opts.make_replayer or (lambda m, d: Replayer(model_dir=m, draft_dir=d))
         replayer = make(opts.model_dir, opts.draft_dir)
-        confirmer = make_confirmer(a, b, replayer, *labels)
-        if a.tp_degree != b.tp_degree:  # TP=1 vs TP=N: proven by replaying the TP side unsharded
-            confirmer = _confirmed_by(make_tp_confirmer(a, b, replayer, *labels), BY_REPLAY_UNSHARDED)
-        if opts.confirm:
-            confirmer = _with_environment(a, b, confirmer, opts, labels, closers)
+        # TP=1 vs TP=N: proven by replaying the TP side unsharded
+        confirmer = TensorParallelConfirmer(a, b, replayer, *labels) if a.tp_degree != b.tp_degree else \
+            ReplayConfirmer(a, b, replayer, *labels)
+        if opts.confirm and environment_differs(a, b):
+            # an environment cause is proved by B replayed under A's environment; the pair's other causes as above
+            confirmer = ByKind(confirmer, {ENVIRONMENT: EnvironmentConfirmer(
+                a, b, model_dir=opts.model_dir, draft_dir=opts.draft_dir, label_a=labels[0], label_b=labels[1])})
         bisector = make_replay_bisector(a, b, replayer, *labels)
         if ops:
             op_finder = make_op_finder(a, b, replayer, *labels)
     try:
-        return bisect_traces(a, b, confirm=opts.confirm or bool(opts.confirm_cmd), replayer=confirmer,
+        return bisect_traces(a, b, confirm=opts.confirm or bool(opts.confirm_cmd), confirmer=confirmer,
                              replay_bisector=bisector, bitwise=opts.bitwise, op_finder=op_finder,
                              only=None if opts.requests is None else set(opts.requests))
     finally:
-        for close in closers:
-            close()
-
-
-def _confirmed_by(confirmer, name: str):
-    """The confirmer, setting cause.confirmed_by to `name` where it ran (a result not None)."""
-    def confirm(cause, rd):
-        got = confirmer(cause, rd)
-        cause.confirmed_by = name if got[0] is not None else None
-        return got
-
-    return confirm
-
-
-def _with_environment(a, b, confirmer, opts: AnalysisOptions, labels, closers):
-    """An environment cause is proved by B replayed under A's environment; other causes of
-    the same pair by the confirmer they would have had."""
-    if not environment_differs(a, b):
-        return confirmer
-
-    env_confirm = make_environment_confirmer(a, b, model_dir=opts.model_dir, draft_dir=opts.draft_dir,
-                                             label_a=labels[0], label_b=labels[1])
-    closers.append(env_confirm.close)
-
-    def confirm(cause, rd):
-        return env_confirm(cause, rd) if cause.kind == ENVIRONMENT else confirmer(cause, rd)
-
-    return confirm
+        if confirmer is not None:
+            confirmer.close()

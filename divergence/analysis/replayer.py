@@ -24,7 +24,7 @@ from ..trace.redact import is_redacted
 from ..trace.writer import TraceWriter
 # the confirmation logic lives in analysis.confirm, forcing's words in force_spec and the
 # report in fidelity (all engine-free); their names stay importable from the replayer too
-from .confirm import make_confirmer, make_replay_bisector  # noqa: F401
+from .confirm import ReplayConfirmer, make_replay_bisector  # noqa: F401
 from .environment import describe_blas, recorded, reproduction
 from .environment_confirm import load_tap, replay_in_child
 from .fidelity import ReplayReport, fidelity

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ..core.labels import composition_text, span_text
-from .cause import CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, RootCause
+from .cause import CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, Finding, RootCause
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 from .step_view import StepView
 
@@ -43,8 +43,10 @@ def confirm_hint(d: DiffReport, foreign: bool | None = None) -> str:
     return f"{cmd} --confirm (traces of this engine) or --confirm-cmd CMD (another engine's)"
 
 
-def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause: RootCause | None = None,
+def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, finding: Finding | None = None,
                   confirm_requested: bool = False, not_found: str | None = None, hint: str | None = None) -> list[str]:
+    """One request's lines of the report; finding: its cause, with what proving it found
+    (BisectReport.finding)."""
     if r.status == MISSING:
         return [f"{r.id}  missing: {label_a} has {r.len_a} tokens, {label_b} has {r.len_b}"]
     tokens = f"{r.compared} token{'s' if r.compared != 1 else ''}"
@@ -76,8 +78,8 @@ def request_lines(r: RequestDiff, label_a: str, label_b: str, vocab=None, cause:
             ahead = f" ({n.tokens_before_flip} tokens earlier)" if n.tokens_before_flip else ""
             lines.append(f"    first numeric difference at position {n.position}{ahead}, "
                          f"max |Δlogit| before the flip {n.max_abs_delta_before_flip:.3g}")
-    if cause is not None:
-        lines += cause_lines(r, cause, label_a, label_b, confirm_requested, hint)
+    if finding is not None:
+        lines += cause_lines(r, finding, label_a, label_b, confirm_requested, hint)
     elif not_found:
         lines.append(f"    root cause: {not_found}")
     if r.truncated:
@@ -132,8 +134,9 @@ def tp_lines(c: RootCause) -> list[str]:
     return lines
 
 
-def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confirm_requested: bool,
+def cause_lines(r: RequestDiff, f: Finding, label_a: str, label_b: str, confirm_requested: bool,
                 hint: str | None = None) -> list[str]:
+    c = f.cause
     kind = KIND_TEXT.get(c.kind, c.kind)
     out = []
     if c.kind == CACHE_CONTAMINATION:
@@ -169,10 +172,11 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
             out.append(f"      {c.sampler.text}")
     if c.sampler is not None and c.kind != SAMPLER:
         out.append(f"      sampler: {c.sampler.text}")
-    if c.first_op is not None:
-        out.append(f"      first op that differed: {c.first_op.text()}")
-    elif c.first_op_detail:
-        out.append(f"      first op: {c.first_op_detail}")
+    first_op = f.first_op
+    if first_op is not None and first_op.difference is not None:
+        out.append(f"      first op that differed: {first_op.difference.text()}")
+    elif first_op is not None and first_op.detail:
+        out.append(f"      first op: {first_op.detail}")
     else:
         out += native_lines(c)  # the probed classes are the lead only until the ops were compared
     if c.routing_flip is not None:
@@ -180,16 +184,17 @@ def cause_lines(r: RequestDiff, c: RootCause, label_a: str, label_b: str, confir
     out += tp_lines(c)
     for rid, step in sorted(c.finished_before_divergence.items()):
         out.append(f"      {rid} finished at step {step}, before the divergence")
-    how = CONFIRMED_BY.get(c.confirmed_by, c.confirmed_by) if c.confirmed_by else None
-    if confirm_requested and c.confirmed is not None:
-        if c.confirmed:
-            out.append(f"    confirmed: {c.confirm_detail}")
+    proof = f.confirmation
+    how = CONFIRMED_BY.get(proof.by, proof.by) if proof is not None and proof.by else None
+    if confirm_requested and f.confirmed is not None:
+        if proof.confirmed:
+            out.append(f"    confirmed: {proof.detail}")
         else:
-            out.append(f"    NOT confirmed: {c.confirm_detail}")
+            out.append(f"    NOT confirmed: {proof.detail}")
         if how:
-            out.append(f"      {'confirmed by' if c.confirmed else 'tried'}: {how}")
+            out.append(f"      {'confirmed by' if proof.confirmed else 'tried'}: {how}")
     elif confirm_requested:
-        out.append(f"    not confirmed ({c.confirm_detail or 'no replay'}): a lead only")
+        out.append(f"    not confirmed ({(proof.detail if proof is not None else '') or 'no replay'}): a lead only")
     else:  # (no "confirmed" here: a report that asked for no confirmation does not speak of one)
         out.append("    a lead only, not proved by a re-run" + (f"; to prove it: {hint}" if hint else ""))
     return out
@@ -242,7 +247,7 @@ def render_bisect(b: BisectReport, vocab=None, *, foreign: bool | None = None) -
     for p in d.incomplete:
         lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
     for r in d.requests:
-        lines += request_lines(r, d.label_a, d.label_b, vocab, b.causes.get(r.id), b.confirm_requested,
+        lines += request_lines(r, d.label_a, d.label_b, vocab, b.finding(r.id), b.confirm_requested,
                                b.unexplained.get(r.id), hint)
     groups = [(k, v) for k, v in b.groups().items() if len(v) > 1]
     for (kind, step), ids in groups:

@@ -15,6 +15,8 @@ from ..core.names import SHARDED_TO_ALL, TP_SHARDING
 from ..core.policy import UNSHARDED
 from ..errors import RanksNeededError
 from ..trace.reader import Trace
+from .cause import BY_REPLAY_UNSHARDED
+from .confirmation import BaseConfirmer, Confirmation
 from .environment_confirm import replay_in_child
 
 SHARDED_TO_ALL_OPS = tuple(op for op, mode in TP_SHARDING.items() if mode == SHARDED_TO_ALL)
@@ -68,56 +70,61 @@ def header_note(a, b) -> str | None:
             f"features; o_proj / down_proj partial sums are added by an all-reduce)")
 
 
-def make_tp_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
-    """confirm(cause, request_diff) -> (confirmed, detail) for a pair of different TP
-    degrees: replay the TP side with every step's sharded-to-all ops unsharded (then
-    every sharded op) and compare with the other side, bit for bit. Replays are shared
-    by all requests (at most two per bisect)."""
-    tp_side, ref, tp_label, ref_label = (b, a, label_b, label_a) if degree(b) > 1 else (a, b, label_a, label_b)
-    steps = [int(s) for s in tp_side.steps["index"]]
-    s2a = ", ".join(SHARDED_TO_ALL_OPS)
-    forcings = [
-        (f"its sharded-to-all ops ({s2a}) unsharded at every step (one device's sum, no all-reduce)",
-         {s: {op: UNSHARDED for op in SHARDED_TO_ALL_OPS} for s in steps}),
-        ("every sharded op unsharded at every step", {s: UNSHARDED for s in steps}),
-    ]
-    cache: dict[int, object] = {}
+class TensorParallelConfirmer(BaseConfirmer):
+    """Proves causes of a pair of different TP degrees (a Confirmer of analysis.confirmation):
+    replay the TP side with every step's sharded-to-all ops unsharded (then every sharded
+    op) and compare with the other side, bit for bit. Replays are shared by all requests (at
+    most two per bisect)."""
 
-    def outputs(i: int):
-        if i not in cache:
+    def __init__(self, a, b, replayer, label_a: str = "A", label_b: str = "B"):
+        self.replayer = replayer
+        self.tp_side, self.ref, self.tp_label, self.ref_label = \
+            (b, a, label_b, label_a) if degree(b) > 1 else (a, b, label_a, label_b)
+        steps = [int(s) for s in self.tp_side.steps["index"]]
+        self.s2a = ", ".join(SHARDED_TO_ALL_OPS)
+        self.forcings = [
+            (f"its sharded-to-all ops ({self.s2a}) unsharded at every step (one device's sum, no all-reduce)",
+             {s: {op: UNSHARDED for op in SHARDED_TO_ALL_OPS} for s in steps}),
+            ("every sharded op unsharded at every step", {s: UNSHARDED for s in steps}),
+        ]
+        self.cache: dict[int, object] = {}
+
+    def outputs(self, i: int):
+        if i not in self.cache:
+            forced = self.forcings[i][1]
             try:
-                cache[i] = replayer.run(tp_side, forced=forcings[i][1]).outputs
+                self.cache[i] = self.replayer.run(self.tp_side, forced=forced).outputs
             except RanksNeededError:
-                cache[i] = replay_in_ranks(tp_side, forcings[i][1], model_dir=replayer.model_dir,
-                                           draft_dir=replayer.draft_dir)
-        return cache[i]
+                self.cache[i] = replay_in_ranks(self.tp_side, forced, model_dir=self.replayer.model_dir,
+                                                draft_dir=self.replayer.draft_dir)
+        return self.cache[i]
 
-    def matches(out, rid: str, n: int) -> tuple[bool, bool]:
+    def matches(self, out, rid: str, n: int) -> tuple[bool, bool]:
         got = out[rid]
-        tr = ref.tokens(rid)
+        tr = self.ref.tokens(rid)
         same = [int(t) for t in got.tokens[:n]] == [int(t) for t in tr.tokens[:n]]
         la = np.asarray(tr.topk_logits[:n], np.float32).view(np.uint32)
         lb = np.asarray(got.topk_logits[:n], np.float32).reshape(-1, la.shape[1] if la.ndim == 2 else 1)
         bitwise = same and la.shape == lb.shape and bool((la == lb.view(np.uint32)).all())
         return same, bitwise
 
-    def confirm(cause, rd):
+    def confirm(self, cause, rd) -> Confirmation:
         tok = rd.first_divergent_token
         n = (tok.generated_index + 1) if tok is not None else rd.compared
         tried = []
-        for i, (words, _) in enumerate(forcings):
-            same, bitwise = matches(outputs(i), rd.id, n)
+        for i, (words, _) in enumerate(self.forcings):
+            same, bitwise = self.matches(self.outputs(i), rd.id, n)
             if bitwise or (same and tok is not None):
                 exact = ", bit for bit" if bitwise else " (tokens; some logits still differ)"
-                first = (f"; unsharding only {s2a} was not enough: the all-to-sharded shards' kernels "
+                first = (f"; unsharding only {self.s2a} was not enough: the all-to-sharded shards' kernels "
                          f"change the bits too") if tried else ""
-                return True, (f"replaying {tp_label} with {words} makes {rd.id} match {ref_label}"
-                              f"{' up to the divergence' if tok else ''}{exact}{first}")
+                return Confirmation(True, f"replaying {self.tp_label} with {words} makes {rd.id} match "
+                                          f"{self.ref_label}{' up to the divergence' if tok else ''}{exact}{first}",
+                                    BY_REPLAY_UNSHARDED)
             tried.append(i)
-        return False, (f"replaying {tp_label} with every sharded op unsharded still leaves {rd.id} different "
-                       f"from {ref_label}: something besides the sharding differs")
-
-    return confirm
+        return Confirmation(False, f"replaying {self.tp_label} with every sharded op unsharded still leaves {rd.id} "
+                                   f"different from {self.ref_label}: something besides the sharding differs",
+                            BY_REPLAY_UNSHARDED)
 
 
 def replay_in_ranks(trace, forced: dict, *, model_dir=None, draft_dir=None) -> dict:

@@ -72,7 +72,7 @@ def failure_text(comparisons: list[Comparison], run: RunSummary | None = None, *
             lines.append(f"note: {p} is incomplete (the run did not finish); compared up to where it ends")
         for r in diverged[:max_requests]:
             lines.append("")
-            lines += request_lines(r, c.label_a, c.label_b, c.vocab, c.report.causes.get(r.id),
+            lines += request_lines(r, c.label_a, c.label_b, c.vocab, c.report.finding(r.id),
                                    c.report.confirm_requested)
         if len(diverged) > max_requests:
             lines.append(f"... and {len(diverged) - max_requests} more diverged requests (run the bisect below)")

@@ -16,7 +16,7 @@ from divergence import Trace
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.step_view import step_kernels
 from divergence.analysis.forcing import force_like_a, prefill_as_a
-from divergence.analysis.replayer import Replayer, make_confirmer
+from divergence.analysis.replayer import Replayer, ReplayConfirmer
 from divergence.analysis.report import render_bisect
 from divergence.engine.kernels.blas import blas_in_use
 from divergence.core.policy import RelayoutStep
@@ -69,11 +69,11 @@ def test_a_prefill_in_other_chunks_is_confirmed_in_the_other_traces_passes(rando
         assert "lm_head" not in step_kernels(a, step_a) and "lm_head" in step_kernels(b, step_b)
         assert force_like_a(a, step_a, b, step_b, "L") == RelayoutStep("L", 0, 20)
 
-        report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
-        cause = report.causes.get("L")
+        report = bisect_traces(a, b, bitwise=True, confirm=True, confirmer=ReplayConfirmer(a, b, Replayer()))
+        cause, proof = report.causes.get("L"), report.confirmations.get("L")
         assert cause is not None, render_bisect(report)
-        assert cause.confirmed, render_bisect(report)
-        assert "prefill passes" in cause.confirm_detail, cause.confirm_detail
+        assert proof.confirmed, render_bisect(report)
+        assert "prefill passes" in proof.detail, proof.detail
 
 
 def test_a_prefill_from_the_warm_up_copy_is_confirmed_in_the_other_traces_passes(random_model, tmp_path):
@@ -90,9 +90,8 @@ def test_a_prefill_from_the_warm_up_copy_is_confirmed_in_the_other_traces_passes
         passes = prefill_as_a(a, w, "L", w.num_steps)
         assert [(r.request_id, r.start, r.end) for r in passes.values()] == \
             [("warmup/L", 0, 20), ("warmup/L", 20, 40), ("L", 40, 50)]
-        report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
-        cause = report.causes.get("L")
-        assert cause is not None and cause.confirmed, render_bisect(report)
+        report = bisect_traces(a, w, bitwise=True, confirm=True, confirmer=ReplayConfirmer(a, w, Replayer()))
+        assert "L" in report.causes and report.confirmations["L"].confirmed, render_bisect(report)
 
 
 def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model, tmp_path, no_relayout):
@@ -101,10 +100,10 @@ def test_a_forcing_the_replay_refuses_leaves_the_cause_unconfirmed(random_model,
     loaded = random_model("llama", dtype="float32")
     pa, pb = _run(loaded, tmp_path)
     with Trace.open(pa) as a, Trace.open(pb) as b:
-        report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
-        cause = report.causes["L"]
-        assert cause.confirmed is False and "refused a forcing it needed (no relayout today)" in cause.confirm_detail
-        assert any(c.confirmed for rid, c in report.causes.items() if rid != "L"), render_bisect(report)
+        report = bisect_traces(a, b, bitwise=True, confirm=True, confirmer=ReplayConfirmer(a, b, Replayer()))
+        proof = report.confirmations["L"]
+        assert proof.confirmed is False and "refused a forcing it needed (no relayout today)" in proof.detail
+        assert any(p.confirmed for rid, p in report.confirmations.items() if rid != "L"), render_bisect(report)
 
 
 def test_passes_b_took_in_fewer_steps_run_one_after_the_other(random_model, tmp_path):
@@ -117,9 +116,8 @@ def test_passes_b_took_in_fewer_steps_run_one_after_the_other(random_model, tmp_
         passes = prefill_as_a(a, w, "L", w.num_steps)
         assert [(r.request_id, r.spans) for r in passes.values()] == \
             [("warmup/L", ((0, 24),)), ("warmup/L", ((24, 48),)), ("L", ((48, 72), (72, 80)))]
-        report = bisect_traces(a, w, bitwise=True, confirm=True, replayer=make_confirmer(a, w, Replayer()))
-        cause = report.causes.get("L")
-        assert cause is not None and cause.confirmed, render_bisect(report)
+        report = bisect_traces(a, w, bitwise=True, confirm=True, confirmer=ReplayConfirmer(a, w, Replayer()))
+        assert "L" in report.causes and report.confirmations["L"].confirmed, render_bisect(report)
 
 
 def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunking(random_model, tmp_path):
@@ -136,8 +134,8 @@ def test_without_kv_hashes_the_replay_bisection_finds_logit_causes_and_the_chunk
         assert "L" in diverged and all(report.diff.requests[i].logits_only for i, r in
                                        enumerate(report.diff.requests) if r.id in diverged)
         assert set(report.causes) == set(diverged) and not report.unexplained, render_bisect(report)
-        assert all(c.confirmed for c in report.causes.values())
-        assert "prefill passes" in report.causes["L"].confirm_detail, report.causes["L"].confirm_detail
+        assert all(report.confirmations[rid].confirmed for rid in report.causes)
+        assert "prefill passes" in report.confirmations["L"].detail, report.confirmations["L"].detail
 
 
 def test_without_kv_hashes_a_forcing_the_replay_refuses_is_said(random_model, tmp_path, no_relayout):

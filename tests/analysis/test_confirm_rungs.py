@@ -1,6 +1,6 @@
 """Each rung of a replay confirmation (analysis.confirm) alone, on a stand-in for its Case:
 what it forces, when it does not apply, its typed result (confirmed, sentence, forcing,
-replays, how) and the order make_confirmer climbs them in. No engine, no traces."""
+replays, how) and the order ReplayConfirmer climbs them in. No engine, no traces."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,6 +11,7 @@ from divergence.analysis import confirm as C
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.cause import BY_REPLAY, BY_REPLAY_PREFILL, BY_REPLAY_SOLO, ReplayBisection
 from divergence.analysis.confirm import confirmer
+from divergence.analysis.confirmation import Confirmation
 from divergence.analysis.forcing import forcing_words
 from divergence.core.policy import SOLO, RelayoutStep
 
@@ -138,24 +139,24 @@ def test_climb_stops_at_the_first_rung_that_confirms_and_unconfirmed_names_the_s
     assert got is None and C.unconfirmed(tried).rung == "kernels"
 
 
-def test_make_confirmer_sets_how_it_confirmed(monkeypatch):
+def test_the_replay_confirmer_says_how_it_confirmed(monkeypatch):
     case = FakeCase(lambda f: all(v is SOLO for v in f.values()))
     monkeypatch.setattr(confirmer, "Case", lambda *a, **k: case)
-    confirm = C.make_confirmer(None, None, None)
-    cause = case.cause
-    ok, detail = confirm(cause, case.rd)
-    assert ok is True and cause.confirmed_by == BY_REPLAY_SOLO and "kernels alone were not enough" in detail
+    confirm = C.ReplayConfirmer(None, None, None)
+    got = confirm.confirm(case.cause, case.rd)
+    assert got.confirmed is True and got.by == BY_REPLAY_SOLO and "kernels alone were not enough" in got.detail
 
     def refuse(forced):
         case.by_tried = BY_REPLAY
         raise C.ForcingRefused("no relayout")
 
     case.check = refuse
-    ok, detail = confirm(cause, case.rd)
-    assert (ok, detail, cause.confirmed_by) == (False, "the replay refused a forcing it needed (no relayout)", BY_REPLAY)
+    assert confirm.confirm(case.cause, case.rd) == \
+        Confirmation(False, "the replay refused a forcing it needed (no relayout)", BY_REPLAY)
     # a sampler cause without the draft has nothing to force: no confirmation ran, none is named
-    target_sampler = SimpleNamespace(kind="sampler", model="target", confirmed_by="stale")
-    assert confirm(target_sampler, case.rd)[0] is None and target_sampler.confirmed_by is None
+    target_sampler = SimpleNamespace(kind="sampler", model="target")
+    got = confirm.confirm(target_sampler, case.rd)
+    assert got.confirmed is None and got.by is None and "no kernel to force" in got.detail
 
 
 @pytest.mark.parametrize("forced, by", [({1: SOLO, 2: RelayoutStep("r1", 0, 4)}, BY_REPLAY_SOLO),

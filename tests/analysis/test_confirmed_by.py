@@ -12,6 +12,7 @@ import pytest
 
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.cause import BY_COMMAND, BY_REPLAY, CONFIRMED_BY
+from divergence.analysis.confirmation import BaseConfirmer, Confirmation
 from divergence.analysis.html import render_html
 from divergence.analysis.report import render_bisect
 from divergence.cli.main import main
@@ -19,6 +20,11 @@ from divergence.trace.reader import Trace
 
 from record.conftest import EXAMPLE, toy_pair  # noqa: E402  (tests/ is on sys.path)
 from tui import story  # noqa: E402
+
+
+class NothingToForce(BaseConfirmer):
+    def confirm(self, cause, rd) -> Confirmation:
+        return Confirmation(None, "nothing to force")
 
 
 def _bisect_json(args, capsys) -> dict:
@@ -116,7 +122,7 @@ def test_the_demo_pair_is_confirmed_by_this_engines_replay_with_as_kernels(demo,
 def test_a_confirmation_asked_for_that_could_not_run_is_not_told_to_run_it(tmp_path):
     pa, pb = story.write_pair(tmp_path)
     with Trace.open(pa) as a, Trace.open(pb) as b:
-        rep = bisect_traces(a, b, confirm=True, replayer=lambda cause, rd: (None, "nothing to force"))
+        rep = bisect_traces(a, b, confirm=True, confirmer=NothingToForce())
         html, text = render_html(rep, a, b), render_bisect(rep, foreign=False)
     assert "<span class=note>not confirmed, a lead only</span>: nothing to force" in html
     assert "run with --confirm" not in html and "to confirm it:" not in html

@@ -124,14 +124,14 @@ def test_unforced_replay_is_bitwise_the_original(c, root, replayer):
 @pytest.mark.parametrize("c", CELLS, ids=cell_id)
 def test_every_divergence_is_confirmed(c, root, replayer):
     from divergence.analysis.bisect import bisect_traces
-    from divergence.analysis.replayer import make_confirmer
+    from divergence.analysis.replayer import ReplayConfirmer
 
     out = _run_cell(c, root)
     for s in SCHEDULES[1:]:
         with Trace.open(out / "serial.h5") as a, Trace.open(out / f"{s}.h5") as b:
-            rep = bisect_traces(a, b, confirm=True, replayer=make_confirmer(a, b, replayer, "serial", s),
+            rep = bisect_traces(a, b, confirm=True, confirmer=ReplayConfirmer(a, b, replayer, "serial", s),
                                 bitwise=True)
             for r in rep.diff.diverged:
-                cause = rep.causes.get(r.id)
+                cause, proof = rep.causes.get(r.id), rep.confirmations.get(r.id)
                 assert cause is not None, (s, r.id)
-                assert cause.confirmed, (s, r.id, cause.kind, cause.confirm_detail)
+                assert proof.confirmed, (s, r.id, cause.kind, proof.detail)

@@ -9,7 +9,7 @@ import pytest
 
 from divergence.analysis.bisect import bisect_traces
 from divergence.analysis.diff import diff_traces
-from divergence.analysis.replayer import Replayer, make_confirmer
+from divergence.analysis.replayer import Replayer, ReplayConfirmer
 from divergence.analysis.report import render_bisect
 from divergence.core.request import Request
 from divergence.workloads.runner import RunConfig, run_schedules
@@ -41,11 +41,11 @@ def test_threshold_diverges_and_every_cause_is_confirmed(random_model, tmp_path,
         experts = ks["op"] == "experts"
         assert set(ks["kernel"][experts]) == {"gemv", "gemm"}  # per expert, from the rows it received
         assert (ks["expert"][experts] >= 0).all() and (ks["expert"][~experts] == -1).all()
-        report = bisect_traces(a, b, bitwise=True, confirm=True, replayer=make_confirmer(a, b, Replayer()))
+        report = bisect_traces(a, b, bitwise=True, confirm=True, confirmer=ReplayConfirmer(a, b, Replayer()))
         diverged = [r.id for r in report.diff.requests if r.status == "diverged"]
         assert diverged, "threshold:1 should make serial and concurrent differ"
         assert set(report.causes) == set(diverged)
-        assert all(c.confirmed for c in report.causes.values()), render_bisect(report)
+        assert all(report.confirmations[rid].confirmed for rid in report.causes), render_bisect(report)
         # replay re-executes the MoE trace bit for bit, routing included
         rep = Replayer().replay_to_file(b, tmp_path / "replay.h5")
         assert rep.faithful, rep.to_json()

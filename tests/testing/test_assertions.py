@@ -38,7 +38,7 @@ def test_failure_text_names_the_token_the_step_and_the_proof(diverged):
     assert f"divergence bisect {s} {c} --confirm" in text
     report = diverged.report
     assert not report.identical and sorted(report.causes) == ["r1", "r3"]
-    assert all(c.confirmed for c in report.causes.values())
+    assert all(report.confirmations[rid].confirmed for rid in report.causes)
 
 
 def test_traces_equal_on_paths_and_open_traces(diverged):

@@ -1,14 +1,15 @@
-"""The replay confirmer bisect_traces calls for each cause: it climbs the rungs."""
+"""The replay confirmer bisect_traces asks for each cause: it climbs the rungs."""
 from __future__ import annotations
 
+from ..confirmation import BaseConfirmer, Confirmation
 from .case import Case
 from .replays import ForcingRefused, NotARerun, share_replay, step_of_token
 from .rungs import DRAW_RUNGS, RUNGS, climb, unconfirmed
 
 
-def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
-    """Returns confirm(cause, request_diff) -> (confirmed, detail) for bisect_traces; it sets
-    cause.confirmed_by (how the replay forced B) where a replay ran.
+class ReplayConfirmer(BaseConfirmer):
+    """This engine's replay of B, forced step by step toward A (a Confirmer of
+    analysis.confirmation); the Confirmation says how the replay forced B (Confirmation.by).
 
     What must match: A's tokens up to the flip; where only the logits differ (--bitwise),
     A's logits bit for bit up to the first position where they differed. The rungs, in
@@ -18,28 +19,28 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
     draw (DRAW_RUNGS); any sampled token under speculative decoding forces the draft's steps.
     """
 
-    def confirm(cause, rd):
+    def __init__(self, a, b, replayer, label_a: str = "A", label_b: str = "B"):
+        self.a, self.b, self.replayer, self.label_a, self.label_b = a, b, replayer, label_a, label_b
+
+    def _case(self, cause, rd) -> Case:
+        return Case(self.a, self.b, self.replayer, cause, rd, self.label_a, self.label_b)
+
+    def confirm(self, cause, rd) -> Confirmation:
         if cause.kind == "sampler" and cause.model != "draft":
-            return None, "a sampler cause with equal logits and no draft involved has no kernel to force", None
-        case = Case(a, b, replayer, cause, rd, label_a, label_b)
+            return Confirmation(None, "a sampler cause with equal logits and no draft involved has no kernel to force")
+        case = self._case(cause, rd)
         try:
             got, tried = climb(case, DRAW_RUNGS if cause.kind == "sampler" and cause.sampler is not None else RUNGS)
         except ForcingRefused as e:
-            return False, f"the replay refused a forcing it needed ({e})", case.by_tried
+            return Confirmation(False, f"the replay refused a forcing it needed ({e})", case.by_tried)
         except NotARerun as e:
-            return False, f"not a valid re-run of {label_b}: {e}", case.by_tried
+            return Confirmation(False, f"not a valid re-run of {self.label_b}: {e}", case.by_tried)
         if got is None:
             got = unconfirmed(tried)
         why = case.full_because()
-        detail = f"{got.detail} (replayed in full: {why})" if why else got.detail
-        return got.confirmed, detail, got.by
+        return Confirmation(got.confirmed, f"{got.detail} (replayed in full: {why})" if why else got.detail, got.by)
 
-    def confirm_and_say_how(cause, rd):
-        ok, detail, by = confirm(cause, rd)
-        cause.confirmed_by = by if ok is not None else None
-        return ok, detail
-
-    def prepare(pairs) -> None:
+    def prepare(self, pairs) -> None:
         """Before the causes are confirmed one by one: requests whose first forcing is the same
         (the same step forced the same way) get one sparse replay for all of them, which each
         one's confirmation then reads (analysis/confirm/replays.share_replay)."""
@@ -47,7 +48,7 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
         for cause, rd in pairs:
             if cause.kind == "sampler":
                 continue
-            case = Case(a, b, replayer, cause, rd, label_a, label_b)
+            case = self._case(cause, rd)
             if case.at_draw:
                 continue
             try:
@@ -55,10 +56,7 @@ def make_confirmer(a, b, replayer, label_a: str = "A", label_b: str = "B"):
             except (KeyError, ValueError):  # the rung itself will say why
                 continue
             key = tuple(sorted((int(k), str(v)) for k, v in forced.items()))
-            groups.setdefault(key, (forced, {}))[1][rd.id] = step_of_token(b, rd.id, case.n)
+            groups.setdefault(key, (forced, {}))[1][rd.id] = step_of_token(self.b, rd.id, case.n)
         for forced, until in groups.values():
             if len(until) > 1:
-                share_replay(replayer, b, forced, until)
-
-    confirm_and_say_how.prepare = prepare
-    return confirm_and_say_how
+                share_replay(self.replayer, self.b, forced, until)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from ...core.policy import SOLO
 from ..bisect import co_batched, finished_before
 from ..cause import BY_REPLAY_PREFILL, CACHE_CONTAMINATION, STEP_COMPUTE, ReplayBisection, RootCause
+from ..confirmation import Confirmation
 from ..forcing import force_like_a, forcing_words, prefill_as_a
 from ..step_view import step_views
 from .replays import ForcingRefused, NotARerun, replay_kind, replay_matches
@@ -13,7 +14,8 @@ from .rungs import in_a_passes_words
 def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B"):
     """For traces recorded without KV hashes: binary search over B's steps. Returns
     bisect_one(request_diff) -> ReplayBisection (analysis.cause): the cause or None, the
-    replays run, why none was found or None.
+    replays run, why none was found or None, and the cause's Confirmation: the search's
+    replays prove the cause they find.
 
     f(m) = "replaying B with its target steps < m (those holding the request) run on
     the kernels of A's step that computed the same positions makes the request match
@@ -62,8 +64,7 @@ def make_replay_bisector(a, b, replayer, label_a: str = "A", label_b: str = "B")
             co = co_batched(b, step_b, who)
             cause = RootCause(kind, None, list(range(sl.start, sl.start + sl.count)), va, vb, co,
                               finished_before(b, co, until_b), op=op)
-            cause.confirmed, cause.confirm_detail, cause.confirmed_by = True, detail, by
-            return ReplayBisection(cause, replays, None)
+            return ReplayBisection(cause, replays, None, Confirmation(True, detail, by))
 
         def forcing(k: int) -> dict:  # the first k of b_steps, each as A's step of the same positions
             return {sb: force_like_a(a, a_of[start], b, sb) for sb, start in b_steps[:k]}

@@ -120,8 +120,8 @@ def _causes(report, j: dict, a, b, vocab, colors) -> str:
         if r.get("status") == "identical":
             continue
         rd = by_id.get(r["id"])
-        cause_obj = report.causes.get(r["id"]) if hasattr(report, "causes") else None
-        lines = request_lines(rd, d.label_a, d.label_b, vocab, cause_obj,
+        finding = report.finding(r["id"]) if hasattr(report, "finding") else None
+        lines = request_lines(rd, d.label_a, d.label_b, vocab, finding,
                               getattr(report, "confirm_requested", False),
                               getattr(report, "unexplained", {}).get(r["id"]), hint) if rd is not None else []
         rc = r.get("root_cause") or {}
@@ -170,13 +170,13 @@ def _headline(rc: dict, lb: str) -> str:
     return ", ".join(bits)
 
 
-# the badge's "by ...", per RootCause.confirmed_by (analysis.cause.CONFIRMED_BY); the replays' default
+# the badge's "by ...", per Confirmation.by (analysis.cause.CONFIRMED_BY); the replays' default
 BADGE_BY = {BY_COMMAND: "your command (--confirm-cmd)", BY_ENVIRONMENT: "replay under A's environment"}
 
 
 def _confirm(r: dict, rc: dict, la: str, lb: str, hint: str = "", other_engine: bool = False,
              asked: bool = False) -> str:
-    """The confirmation's badge: confirmed or not, by what (RootCause.confirmed_by), and for a
+    """The confirmation's badge: confirmed or not, by what (Confirmation.by), and for a
     lead nobody tried to confirm, the command that would (asked: a confirmation was asked for)."""
     confirmed = r.get("confirmed")
     detail = rc.get("confirm_detail") or ""

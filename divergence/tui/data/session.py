@@ -162,7 +162,8 @@ class BrowseData:
         d = self.request_diff(request_id)
         if d is None:
             return []
-        lines = request_lines(d, self.diff.label_a, self.diff.label_b, self.vocab, self.cause(request_id))
+        lines = request_lines(d, self.diff.label_a, self.diff.label_b, self.vocab,
+                              self.bisect.finding(request_id) if self.bisect else None)
         n = d.first_numeric_divergence
         if d.status != DIVERGED and n is not None:
             lines.append(f"    same tokens, but the stored logits first differ at position {n.position} "
