@@ -74,8 +74,11 @@ def confirm_all(out: Path, *, sparse: bool, requests=None):
 
 
 def causes(rep) -> dict:
-    return {rid: (c.kind, c.a.step, c.b.step, bool(c.confirmed), str(getattr(c, "first_op", None)))
-            for rid, c in rep.causes.items()}
+    out = {}
+    for rid, c in rep.causes.items():
+        f = rep.finding(rid)
+        out[rid] = (c.kind, c.a.step, c.b.step, bool(f.confirmed), str(f.first_op.difference if f.first_op else None))
+    return out
 
 
 def scale_row(n: int, full_upto: int, work: Path) -> dict:
@@ -83,7 +86,7 @@ def scale_row(n: int, full_upto: int, work: Path) -> dict:
     run_s, _ = record(n, out)
     sparse_s, rep = confirm_all(out, sparse=True)
     row = {"requests": n, "run_s": run_s, "diverged": len(rep.diff.diverged),
-           "confirmed": sum(1 for c in rep.causes.values() if c.confirmed), "sparse_s": sparse_s,
+           "confirmed": sum(1 for p in rep.confirmations.values() if p.confirmed), "sparse_s": sparse_s,
            "sparse_ratio": sparse_s / run_s}
     if n <= full_upto:
         full_s, rep_full = confirm_all(out, sparse=False)
@@ -118,7 +121,7 @@ def position_rows(n: int, work: Path) -> list[dict]:
             rows.append({"where": name, "request": None})
             continue
         secs, rep = confirm_all(out, sparse=True, requests=[pick])
-        c = rep.causes.get(pick)
+        c = rep.finding(pick)
         rerun = serial_rerun_s(reqs, pick, work)
         rows.append({"where": name, "request": pick, "confirm_s": secs, "confirmed": bool(c and c.confirmed),
                      "serial_rerun_s": rerun, "ratio_to_rerun": secs / rerun})
