@@ -25,7 +25,7 @@ from .kv_events import KvLog, StepKv, kv_writes
 from .model_state import ModelState
 from .model.moe import routing_events
 from .results import RequestOutput, RunResult
-from .sched.scheduler import MLX_LM, Scheduler, Work, blocks_needed, phases
+from .sched.scheduler import Scheduler, Work, blocks_needed, phases
 from .sched.sequence import Sequence
 from .spec_round import SpecRound
 from .speculative import Proposal, accept_greedy, accept_sampled
@@ -49,30 +49,37 @@ class Launch:
 
 
 class Run:
-    """One execution of a request list; holds all per-run state.
+    """One execution of a request list: the step loop and the run's results. Each request's
+    state is its Sequence, written by the Scheduler alone (sched/scheduler.py).
 
     `execute()` schedules and runs everything. Replay (replay.py) drives the same
     object through its public steps instead: `start()`, then per recorded plan
     `launch` / `collect` / `close`, emitting its tokens with `emit_token`, then `end(completed)`.
+    A run that takes requests while it runs (serve.live.LiveRun) overrides `more_work`, and
+    there admits and cancels requests through `admit` and `cancel`.
     """
 
     def __init__(self, engine, requests: list[Request], schedule: str, *, bad: dict[str, str] | None = None,
-                 forced: dict | None = None, recorded: bool = False):
+                 forced: dict | None = None, recorded: bool = False, spec_control=None):
+        """spec_control: picks each speculative round's draft length, up to the engine's
+        spec_k (speculative.AdaptiveDraft, serve --spec-adaptive's); None: spec_k every round."""
         self.e = engine
         self.schedule = schedule
+        self.spec_control = spec_control
         self.requests = list(requests)
         self.bad = dict(bad or {})
-        self.seqs = [self._sequence(r) for r in requests if r.id not in self.bad]
+        self.seqs = [Sequence.of(r, engine.prefill) for r in requests if r.id not in self.bad]
         # the schedule's phases: warm is a batched warm-up of the same prompts, then the run
         # (replay's requests already hold the warm-up: it runs the recorded plans as they are)
-        self.phases = [(self.seqs, schedule)] if recorded else phases(self.seqs, schedule, self._sequence)
+        self.phases = [(self.seqs, schedule)] if recorded else phases(
+            self.seqs, schedule, lambda r: Sequence.of(r, engine.prefill))
         num_blocks = engine.num_blocks or blocks_needed(self.seqs, engine.block_size, engine.spec_k + 1,
                                                         copies=len(self.phases))
-        self.want_kv = engine._wants("wants_kv_hashes")
-        self.want_routing = engine._wants("wants_routing")
-        self.want_records = engine._wants("wants_records")
+        self.want_kv = engine.wants("wants_kv_hashes")
+        self.want_routing = engine.wants("wants_routing")
+        self.want_records = engine.wants("wants_records")
         self._kernels = _KernelSink()
-        emit_k = self._kernels if engine._wants("wants_kernels") else None
+        emit_k = self._kernels if engine.wants("wants_kernels") else None
         prefix = engine.prefix_caching or schedule == WARM
         self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
                                  engine.block_size, prefix, emit_k)
@@ -89,18 +96,10 @@ class Run:
         self.by_id = {r.id: r for r in self.requests}
         self.step = 0  # index of the next step to plan
         self.target_steps = 0
-        self.proposals: dict[str, Proposal] = {}
-        self.outputs: dict[str, RequestOutput] = {}
-        self.topk: dict[str, tuple[list, list]] = {r.id: ([], []) for r in self.requests}
+        self.outputs: dict[str, RequestOutput] = {}  # the run's results, by request id
         self._done_at = 0.0  # when the last collected step's results arrived
         self._side = None  # a second stream for host-side conversions (see emit_step_writes)
         self._t0 = 0.0
-
-    def _sequence(self, r: Request) -> Sequence:
-        seq = Sequence(r)
-        if self.e.prefill == MLX_LM:
-            seq.prefill_end = seq.prompt_len - 1
-        return seq
 
     # -- lifecycle ---------------------------------------------------------------------
     def info(self) -> RunInfo:
@@ -111,12 +110,12 @@ class Run:
 
     def start(self) -> None:
         self._t0 = self._done_at = time.perf_counter()
-        self.e._emit("on_run_start", self.info())
+        self.e.emit("on_run_start", self.info())
         for rid, msg in self.bad.items():
-            self.e._emit("on_request", RequestEvent(0, rid, "error", msg))
+            self.e.emit("on_request", RequestEvent(0, rid, "error", msg))
 
     def end(self, completed: bool) -> None:
-        self.e._emit("on_run_end", completed)
+        self.e.emit("on_run_end", completed)
 
     def execute(self) -> RunResult:
         self.start()
@@ -125,7 +124,7 @@ class Run:
             for seqs, schedule in self.phases:
                 self._drain(Scheduler(seqs, schedule=schedule, token_budget=self.e.token_budget,
                                       blocks=self.target.blocks, draft_blocks=self.draft.blocks if self.draft else None,
-                                      spec_k=self.e.spec_k))
+                                      spec_k=self.e.spec_k, stop_ids=self.e.eos_ids if self.e.stop_at_eos else ()))
             completed = True
         finally:
             self.end(completed)
@@ -144,7 +143,7 @@ class Run:
         """Run one scheduler's requests to completion."""
         clock = 0
         ahead: Launch | None = None  # the next decode step, queued before this one's tokens came back
-        while self._more(sched, clock):
+        while self.more_work(sched, clock):
             work, admitted = sched.schedule(clock)
             if not work:  # idle until the next arrival
                 clock = max(clock + 1, sched.next_arrival() or 0)
@@ -155,8 +154,7 @@ class Run:
             if rnd is not None and rnd.drafting:
                 ahead = None  # (a decode queued ahead is superseded: the verify rewrites its position)
                 verify, sampled, proposals = rnd.execute()
-                self.proposals.update(proposals)
-                self.commit(sched, verify, sampled)
+                self.commit(sched, verify, sampled, proposals)
             else:
                 # also a round the draft-length control gave no drafts (serve --spec-adaptive):
                 # a plain decode step, so that it may queue the next one ahead as any decode does
@@ -176,10 +174,36 @@ class Run:
                     rnd.observed(time.perf_counter() - t0)
             clock += 1
 
-    def _more(self, sched: Scheduler, clock: int) -> bool:
-        """Whether the loop plans another step; a run that takes requests while it runs
-        (serve.live.LiveRun) adds them to `sched` here, between steps."""
+    # -- hooks of a run that takes requests while it runs (serve.live.LiveRun) --------------
+    def more_work(self, sched: Scheduler, clock: int) -> bool:
+        """Whether the loop plans another step. Between steps: an override may `admit` and
+        `cancel` requests here."""
         return not sched.done()
+
+    def admit(self, sched: Scheduler, request: Request) -> None:
+        """A request that arrived while the run runs (its arrival: the loop's clock) joins it."""
+        self.requests.append(request)
+        self.by_id[request.id] = request
+        # the writer gives it its row before any event names it
+        self.e.emit("on_request_added", request, only="on_request_added")
+        sched.add(Sequence.of(request, self.e.prefill))
+
+    def cancel(self, sched: Scheduler, request_id: str, *, reason: str, kind: str) -> bool:
+        """Between steps: end a request before it finished (its output: what it generated so
+        far, finish reason `reason`; event `kind`). False when it had finished already."""
+        seq = sched.may_cancel(request_id, reason)
+        if seq is None:
+            return False
+        step = max(self.step - 1, 0)  # the last step that ran: a reader shows events of steps it holds
+        self.e.emit("on_request", RequestEvent(step, request_id, kind, reason))
+        self.outputs[request_id] = RequestOutput(request_id, list(seq.request.prompt_tokens), seq.generated, "",
+                                                 reason)
+        return True
+
+    def forget(self, sched: Scheduler, request_id: str) -> None:
+        """Keep no result or state of a finished request (a server runs for days)."""
+        self.outputs.pop(request_id, None)
+        sched.forget(request_id)
 
     def take_step(self) -> int:
         """The index of the next step, taken by the plan about to be launched."""
@@ -201,9 +225,7 @@ class Run:
             return
         for pos, d in draws:
             cols = d.record(step, rid, pos)
-            for ob in self.e.observers:
-                if getattr(ob, "wants_records", False):
-                    ob.on_record("draws", **cols)
+            self.e.emit("on_record", "draws", only="wants_records", **cols)
 
     # -- public steps (the loop above and replay use them) ---------------------------------
     def state(self, model: str) -> ModelState:
@@ -259,7 +281,7 @@ class Run:
             self._emit_kernels(launch.kernels, launch.mixed)
         if self.want_kv:
             writes = kv_writes(launch.plan, launch.state.name, launch.kv)
-            self.e._emit("on_kv_writes", writes)  # (a list a step: one call, not one per write)
+            self.e.emit("on_kv_writes", writes)  # (a list a step: one call, not one per write)
             if launch.state.blocks.prefix_caching:
                 self.kv_log.record(writes)
         if launch.routing:
@@ -270,31 +292,31 @@ class Run:
             with mx.stream(self._side):
                 events = routing_events(launch.plan, launch.state.name, launch.routing)
             for r in events:
-                self.e._emit("on_routing", r)
+                self.e.emit("on_routing", r)
 
     def _emit_kernels(self, kernels: StepKernels, mixed: bool) -> None:
         """A step's kernel choices in one on_kernels call (rows: StepKernels); with all-reduces
         among them, every event on its own, in order."""
         if not mixed:
-            self.e._emit("on_kernels", kernels)
+            self.e.emit("on_kernels", kernels)
             return
         for ev in kernels.rows:
             if type(ev) is tuple:
-                self.e._emit("on_kernel", kernel_choice(kernels.step, ev))
+                self.e.emit("on_kernel", kernel_choice(kernels.step, ev))
             else:
-                self.e._emit("on_allreduce" if isinstance(ev, AllReduce) else "on_kernel", ev)
+                self.e.emit("on_allreduce" if isinstance(ev, AllReduce) else "on_kernel", ev)
 
     def close(self, launch: Launch) -> None:
         """The step is over: on_step (a writer flushes there)."""
-        self.e._emit("on_step", StepEvent(launch.plan, launch.duration))
+        self.e.emit("on_step", StepEvent(launch.plan, launch.duration))
         if launch.plan.model != DRAFT_MODEL:
             self.target_steps += 1
 
     def emit_token(self, event) -> None:
-        self.e._emit("on_token", event)
+        self.e.emit("on_token", event)
 
     def emit_request(self, event: RequestEvent) -> None:
-        self.e._emit("on_request", event)
+        self.e.emit("on_request", event)
 
     def follow(self, plan: StepPlan) -> None:
         """A recorded plan is being run (replay): the step counter is its index."""
@@ -303,7 +325,7 @@ class Run:
     # -- commits and events ----------------------------------------------------------------
     def _arrived(self, admitted: list[Sequence]) -> None:
         for seq in admitted:
-            self.e._emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
+            self.e.emit("on_request", RequestEvent(self.step, seq.id, "arrived", f"prefix_hit={seq.num_cached}"))
             if seq.num_cached and self.want_kv:
                 self.emit_shared(seq.id, seq.num_cached)
 
@@ -312,9 +334,13 @@ class Run:
         live writes, with the step that really wrote them."""
         blocks = self.target.blocks
         sources = [blocks.origin[b] for b in blocks.tables[rid][: cached // blocks.block_size]]
-        self.e._emit("on_kv_writes", list(self.kv_log.shared(rid, sources, blocks.block_size)))
+        self.e.emit("on_kv_writes", list(self.kv_log.shared(rid, sources, blocks.block_size)))
 
-    def commit(self, sched: Scheduler, launch: Launch, sampled: smp.Sampled) -> None:
+    def commit(self, sched: Scheduler, launch: Launch, sampled: smp.Sampled,
+               proposals: dict[str, Proposal] | None = None) -> None:
+        """A collected step's tokens: the scheduler takes what it computed, the acceptance of
+        each verify (proposals: request id -> the draft tokens it checked) and each token;
+        then the events, and the finished requests leave."""
         plan = launch.plan
         sched.computed(plan)
         r = 0
@@ -324,7 +350,7 @@ class Run:
             seq = by_id[sl.request_id]
             n = len(sl.logit_rows)
             if sl.phase == VERIFY:
-                prop = self.proposals.pop(seq.id)
+                prop = proposals[seq.id]
                 if seq.request.sampling.greedy:
                     j, toks = accept_greedy(prop.tokens, sampled.ids[r : r + n])
                 else:
@@ -332,16 +358,14 @@ class Run:
                     j, toks = accept_sampled(prop, sampled.rows(r, r + n), seq.request.sampling, len(seq.tokens),
                                              draws=rec)
                     self.emit_draws(plan.index, seq.id, rec)
-                seq.proposed += len(prop.tokens)
-                seq.accepted += j
-                sched.accepted(seq, j)
-                self._append(seq, toks, plan.index, sampled, r, [SPEC_ACCEPTED] * j + [SPEC_CORRECTED])
+                sched.accepted(seq, len(prop.tokens), j)
+                self._append(sched, seq, toks, plan.index, sampled, r, [SPEC_ACCEPTED] * j + [SPEC_CORRECTED])
             elif n:
                 rec = []
                 tok = smp.choose(seq.request.sampling, sampled, r, len(seq.tokens), draws=rec)
                 if rec:
                     self.emit_draws(plan.index, seq.id, rec)
-                self._append(seq, (tok,), plan.index, sampled, r, _NO_SPEC)
+                self._append(sched, seq, (tok,), plan.index, sampled, r, _NO_SPEC)
             r += n
             if seq.finished:
                 done.append(seq)
@@ -349,30 +373,24 @@ class Run:
             self._finish(sched, seq, plan.index)
         self.close(launch)
 
-    def _append(self, seq: Sequence, toks, step: int, sampled: smp.Sampled, row: int, spec) -> None:
-        ids, vals = self.topk[seq.id]
+    def _append(self, sched: Scheduler, seq: Sequence, toks, step: int, sampled: smp.Sampled, row: int,
+                spec) -> None:
         for i, tok in enumerate(toks):
             if seq.finished:
                 break
-            pos = len(seq.tokens)
-            seq.tokens.append(int(tok))
-            ev = smp.token_event(step, seq.id, pos, tok, spec[i], sampled, row + i, sampling=seq.request.sampling)
-            ids.append(ev.topk_ids)
-            vals.append(ev.topk_logits)
-            self.e._emit("on_token", ev)
-            if self.e.stop_at_eos and tok in self.e.eos_ids:
-                seq.finished, seq.finish_reason = True, "eos"
-            elif seq.num_generated >= seq.request.max_tokens:
-                seq.finished, seq.finish_reason = True, "length"
+            ev = smp.token_event(step, seq.id, len(seq.tokens), tok, spec[i], sampled, row + i,
+                                 sampling=seq.request.sampling)
+            sched.append_token(seq, tok, ev.topk_ids, ev.topk_logits)
+            self.e.emit("on_token", ev)
 
     def _finish(self, sched: Scheduler, seq: Sequence, step: int) -> None:
         sched.finish(seq)
-        ids, vals = self.topk[seq.id]
         self.outputs[seq.id] = RequestOutput(
             seq.id, list(seq.request.prompt_tokens), seq.generated, self.e.decode(seq.generated),
-            seq.finish_reason, topk_ids=ids, topk_logits=vals, proposed=seq.proposed, accepted=seq.accepted,
+            seq.finish_reason, topk_ids=seq.topk_ids, topk_logits=seq.topk_logits, proposed=seq.proposed,
+            accepted=seq.accepted,
         )
-        self.e._emit("on_request", RequestEvent(step, seq.id, "finished", seq.finish_reason))
+        self.e.emit("on_request", RequestEvent(step, seq.id, "finished", seq.finish_reason))
 
 
 def _same_layout(a: StepPlan, b: StepPlan) -> bool:

@@ -6,11 +6,11 @@ each draft step takes its input tokens on the device from the previous one's ids
 the verify gathers its proposals from all of them (`_verify_tokens`). A round with a
 sampling request collects each draft step before the next, since its proposal is a
 host-side draw. Either way the round returns its collected verify and the proposals;
-the Run (run.py) commits them: it owns the scheduler bookkeeping and the events, this
-module only drives the round's steps.
+the Run (run.py) commits them through the scheduler, and emits the events; this module
+only drives the round's steps.
 
-A run may carry a `spec_control` (speculative.AdaptiveDraft: `serve --spec-adaptive`'s): it
-picks each round's draft length, up to the engine's k, and is told how long the round took.
+A run's `spec_control` (speculative.AdaptiveDraft: `serve --spec-adaptive`'s; None: k every
+round) picks each round's draft length, up to the engine's k, and is told how long the round took.
 A round of no drafts is no speculative round: the Run steps it as a plain decode (phase
 DECODE, the draft cache catching up at the next drafting round), which may queue the next
 step ahead when the control already knows that one drafts nothing too.
@@ -37,7 +37,7 @@ class SpecRound:
     def __init__(self, run: Run, sched: Scheduler, work: list[Work], decoding: list[Sequence]):
         self.run, self.sched, self.work, self.decoding = run, sched, work, decoding
         self.ks = {s.id: sched.draft_len(s) for s in decoding}  # draft steps per sequence
-        self.control = getattr(run, "spec_control", None)
+        self.control = run.spec_control
         if self.control is not None:
             k = self.control.choose(decoding, self.ks)
             self.ks = {i: min(n, k) for i, n in self.ks.items()}

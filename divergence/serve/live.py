@@ -1,9 +1,10 @@
 """A run that takes requests while it runs: the engine's own step loop (engine/run.py), fed
 between steps from an inbox that HTTP handlers fill on other threads.
 
-Everything that changes engine state happens on the engine thread, in `LiveRun._more`
-(the loop's hook between steps): new requests join the scheduler with arrival = the
-loop's clock when they came in, cancelled ones leave it (their blocks freed). So a live
+Everything that changes engine state happens on the engine thread, in `LiveRun.more_work`
+(the loop's hook between steps), through the Run's hooks: new requests join (`admit`) with
+arrival = the loop's clock when they came in, cancelled ones leave (`cancel`: their blocks
+freed), delivered ones are forgotten (`forget`). So a live
 trace is a `concurrent` run's trace like any other: same steps, same events, same tables,
 plus /live_requests for the requests that arrived after it started.
 """
@@ -17,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from ..core.events import Observer, RequestEvent, TokenEvent
 from ..core.names import CONCURRENT
 from ..core.request import Request, Sampling
-from ..engine.results import RequestOutput
 from ..engine.run import Run
 
 CANCELLED, STOP = "cancelled", "stop"
@@ -130,9 +130,8 @@ class LiveRun(Run):
 
     def __init__(self, engine, inbox: Inbox, deliver: Deliver, *, writer=None, rotate=lambda: False,
                  on_ready=lambda: None, spec_control=None):
-        super().__init__(engine, [], CONCURRENT)
-        self.spec_control = spec_control  # speculative.AdaptiveDraft: each round's draft length (spec_round.py)
-        self.on_ready = on_ready  # called once the trace file exists (the first pass through _more)
+        super().__init__(engine, [], CONCURRENT, spec_control=spec_control)
+        self.on_ready = on_ready  # called once the trace file exists (the first pass through more_work)
         self.inbox = inbox
         self.deliver = deliver
         self.writer = writer
@@ -140,23 +139,24 @@ class LiveRun(Run):
         self.taken = 0  # requests this segment took
 
     # -- the step loop's hook ---------------------------------------------------------------
-    def _more(self, sched, clock: int) -> bool:
+    def more_work(self, sched, clock: int) -> bool:
         if self.on_ready is not None:
             if self.writer is not None:
                 self.writer.flush()
             self.on_ready, ready = None, self.on_ready
             ready()
         while True:
-            self.deliver_finished()
+            self.deliver_finished(sched)
             rotating = self.rotate() and self.taken > 0
             subs, cancels = self.inbox.take(submissions=not rotating)  # (what came before a stop is served)
             for rid, reason in cancels.items():
-                self._cancel(sched, rid, reason)
+                # a stop string is a finish (the client got its answer), a disconnect a cancellation
+                self.cancel(sched, rid, reason=reason, kind="finished" if reason == STOP else CANCELLED)
             for req in subs:
                 self._add(sched, clock, req)
             if not sched.done():
                 return True
-            self.deliver_finished()
+            self.deliver_finished(sched)
             if rotating or self.inbox.stopping:
                 return False
             if self.writer is not None:
@@ -166,36 +166,12 @@ class LiveRun(Run):
     def _add(self, sched, clock: int, lr: LiveRequest) -> None:
         req = Request(lr.id, tuple(lr.prompt_tokens), max_tokens=lr.max_tokens, arrival=clock,
                       sampling=lr.sampling, prompt_text=lr.prompt_text)
-        seq = self._sequence(req)
-        self.requests.append(req)
-        self.by_id[req.id] = req
-        self.topk[req.id] = ([], [])
         self.deliver.sinks[req.id] = lr.sink
-        for ob in self.e.observers:  # the writer gives it its row before any event names it
-            getattr(ob, "on_request_added", lambda r: None)(req)
-        sched.waiting.append(seq)  # arrivals only grow: the queue stays in arrival order
-        sched.by_id[seq.id] = seq
+        self.admit(sched, req)
         self.taken += 1
         lr.sink.joined(self.writer.path if self.writer is not None else None)
 
-    def _cancel(self, sched, rid: str, reason: str) -> None:
-        """Between steps: a waiting request leaves the queue, a running one its blocks. A stop
-        string is a finish (the client got its answer), a disconnect a cancellation."""
-        seq = sched.by_id.get(rid)
-        if seq is None or seq.finished:
-            return
-        if seq in sched.running:
-            sched.finish(seq)
-        elif seq in sched.waiting:
-            sched.waiting.remove(seq)
-        seq.finished, seq.finish_reason = True, reason
-        self.proposals.pop(rid, None)
-        step = max(self.step - 1, 0)  # the last step that ran: a reader shows events of steps it holds
-        kind = "finished" if reason == STOP else CANCELLED
-        self.e._emit("on_request", RequestEvent(step, rid, kind, reason))
-        self.outputs[rid] = RequestOutput(rid, list(seq.request.prompt_tokens), seq.generated, "", reason)
-
-    def deliver_finished(self) -> None:
+    def deliver_finished(self, sched) -> None:
         if not self.deliver.finished:
             return
         if self.writer is not None:
@@ -203,8 +179,7 @@ class LiveRun(Run):
         done, self.deliver.finished = self.deliver.finished, []
         for rid, reason in done:
             sink = self.deliver.sinks.pop(rid, None)
-            self.topk.pop(rid, None)  # a server runs for days: keep no finished request's records
-            self.outputs.pop(rid, None)
+            self.forget(sched, rid)
             if sink is not None:
                 sink.done(reason)
 

@@ -42,9 +42,7 @@ class Steps(Observer):
 
 
 def controlled_run(engine, requests, schedule, control):
-    run = Run(engine, requests, schedule)
-    run.spec_control = control
-    return run.execute()
+    return Run(engine, requests, schedule, spec_control=control).execute()
 
 
 @pytest.mark.parametrize("schedule", ["serial", "concurrent"])

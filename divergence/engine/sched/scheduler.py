@@ -6,8 +6,10 @@ completion in arrival order; `concurrent` is continuous batching: running
 requests' decode (or verify) rows first, then prefill chunks of new requests
 packed into the same step up to a token budget. Admission reserves a request's
 whole length in KV blocks (target and draft), so nothing is ever preempted
-mid-run. The scheduler owns every block allocation and every `num_cached` /
-`draft_cached` update; the step loop only reports what a step computed.
+mid-run. The scheduler is the one writer of a request's state (sched.sequence.Sequence):
+every block allocation, every `num_cached` / `draft_cached` update, the tokens a step
+commits, acceptance, finish and cancel go through its named methods; the step loop
+reports what a step computed and sampled.
 """
 from __future__ import annotations
 
@@ -18,17 +20,9 @@ from ...core.events import DECODE, DRAFT, DRAFT_MODEL, PREFILL, TARGET, VERIFY, 
 from ...core.names import BASE_SCHEDULES, CONCURRENT, SERIAL, WARM, WARMUP_PREFIX
 from ...core.request import Request
 from .blocks import BlockManager
-from .sequence import Sequence
+from .sequence import MLX_LM, PREFILL_LAYOUTS, WHOLE, Sequence  # noqa: F401  (the layouts: re-exported)
 
 PENDING = -1  # a token id not known on the host yet (it is still being computed)
-
-# Where the prompt's last token is computed. "whole": inside the prefill, whose last row's
-# logits give token 1 (as vLLM and SGLang do). "mlx-lm": the prefill computes all but the
-# last prompt token, which is the first decode step's input (as mlx-lm's generate_step and
-# BatchGenerator do); at one request the engine's step shapes are then mlx-lm's, which on
-# a GPU (GEMV at one row, GEMM above) is what makes its numbers mlx-lm's bit for bit.
-WHOLE, MLX_LM = "whole", "mlx-lm"
-PREFILL_LAYOUTS = (WHOLE, MLX_LM)
 
 
 @dataclass
@@ -41,7 +35,8 @@ class Work:
 
 class Scheduler:
     def __init__(self, seqs: list[Sequence], *, schedule: str, token_budget: int, blocks: BlockManager,
-                 draft_blocks: BlockManager | None = None, spec_k: int = 0):
+                 draft_blocks: BlockManager | None = None, spec_k: int = 0, stop_ids=frozenset()):
+        """stop_ids: the token ids that finish a request (end-of-text; empty: none does)."""
         assert schedule in BASE_SCHEDULES
         self.schedule_name = schedule
         self.budget = token_budget
@@ -53,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque(seqs[i] for i in order)
         self.running: list[Sequence] = []
         self.by_id = {s.id: s for s in seqs}
+        self.stop_ids = stop_ids
 
     def done(self) -> bool:
         return not self.waiting and not self.running
@@ -64,7 +60,18 @@ class Scheduler:
     def next_arrival(self) -> int | None:
         return self.waiting[0].request.arrival if self.waiting else None
 
+    def add(self, seq: Sequence) -> None:
+        """A request that arrived while the run runs (serve) joins the queue: arrivals only
+        grow, so the queue stays in arrival order."""
+        self.waiting.append(seq)
+        self.by_id[seq.id] = seq
+
     # -- admission: the only place blocks are allocated ------------------------------------
+    def can_admit(self, seq: Sequence, need: int) -> bool:
+        """Whether both caches have `need` positions of blocks for seq (its prefix matched)."""
+        return self.blocks.can_allocate(seq.id, need) and (
+            self.draft_blocks is None or self.draft_blocks.can_allocate(seq.id, need))
+
     def _admit(self, clock: int, admitted: list[Sequence]) -> None:
         while self.waiting:
             seq = self.waiting[0]
@@ -74,8 +81,7 @@ class Scheduler:
                 return
             matched = self.blocks.match_prefix(seq.id, seq.request.prompt_tokens)
             need = self.reserve_len(seq)
-            if not (self.blocks.can_allocate(seq.id, need)
-                    and (self.draft_blocks is None or self.draft_blocks.can_allocate(seq.id, need))):
+            if not self.can_admit(seq, need):
                 self.blocks.free(seq.id)  # undo the prefix match; wait for memory
                 if not self.running:
                     raise RuntimeError(f"request {seq.id!r} needs more KV blocks than the cache has")
@@ -183,20 +189,60 @@ class Scheduler:
                 if seq.num_cached == seq.prompt_len:  # it fed the prompt's last token (mlx-lm layout)
                     self.blocks.register_prefix(seq.id, seq.tokens, seq.num_cached)
 
-    def accepted(self, seq: Sequence, n_accepted: int) -> None:
-        """A verify kept its first n_accepted proposals: rows past them are rolled back
-        (overwritten later), in both caches. Call before the tokens are appended."""
+    def accepted(self, seq: Sequence, n_proposed: int, n_accepted: int) -> None:
+        """A verify kept its first n_accepted of n_proposed proposals: rows past them are
+        rolled back (overwritten later), in both caches. Call before the tokens are appended."""
+        seq.proposed += n_proposed
+        seq.accepted += n_accepted
         n = len(seq.tokens)
         seq.num_cached = n + n_accepted
         seq.draft_cached = min(seq.draft_cached, n + n_accepted)
         if n == seq.prompt_len:  # this verify computed the prompt's last token
             self.blocks.register_prefix(seq.id, seq.tokens, n)
 
+    def append_token(self, seq: Sequence, token, topk_ids, topk_logits) -> None:
+        """A committed token and its recorded top-k; the request finishes when it is due."""
+        seq.tokens.append(int(token))
+        seq.topk_ids.append(topk_ids)
+        seq.topk_logits.append(topk_logits)
+        self.may_finish(seq, token)
+
+    def may_finish(self, seq: Sequence, token) -> bool:
+        """Mark seq finished if its last token (`token`) ends it: a stop id, or max_tokens
+        reached. Its blocks stay held until `finish`."""
+        if token in self.stop_ids:
+            seq.finished, seq.finish_reason = True, "eos"
+        elif seq.num_generated >= seq.request.max_tokens:
+            seq.finished, seq.finish_reason = True, "length"
+        return seq.finished
+
     def finish(self, seq: Sequence) -> None:
+        """A finished request leaves the running set and gives its blocks back."""
         self.running.remove(seq)
         self.blocks.free(seq.id)
         if self.draft_blocks is not None:
             self.draft_blocks.free(seq.id)
+
+    def may_cancel(self, request_id: str, reason: str) -> Sequence | None:
+        """Between steps: end a request that has not finished (a waiting one leaves the
+        queue, a running one its blocks), `reason` its finish reason. None when there is
+        no such request (unknown, or finished already)."""
+        seq = self.by_id.get(request_id)
+        if seq is None or seq.finished:
+            return None
+        if seq in self.running:
+            self.finish(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finished, seq.finish_reason = True, reason
+        return seq
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's state (a server runs for days: it keeps no finished
+        request's records)."""
+        seq = self.by_id.get(request_id)
+        if seq is not None and seq.finished:
+            del self.by_id[request_id]
 
 
 def admit_recorded(blocks: BlockManager, request, reserve: int, first_start: int, *, prefix: bool) -> int:
