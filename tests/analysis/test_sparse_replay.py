@@ -145,3 +145,32 @@ def test_requests_forced_alike_share_one_replay_with_their_own_bits(root, monkey
             assert n and list(got[rid].tokens[:n]) == list(own.tokens), rid
             assert np.asarray(got[rid].topk_logits[:n], np.float32).tobytes() == \
                 np.asarray(own.topk_logits, np.float32).tobytes(), rid
+
+
+def test_confirmations_are_the_full_replays_on_sampled_speculative_traffic(tmp_path):
+    """Diagnosis truth does not move: the same causes, confirmed the same way, with the sparse
+    replay as with the full one, on sampled speculative traffic whose suspect steps include a
+    draft step after the token the check reads (the fixture models, the demo's policy)."""
+    from divergence.analysis.pipeline import AnalysisOptions, analyze_pair
+    from divergence.analysis.replayer import Replayer
+    from divergence.core.request import Request, Sampling
+    from divergence.fixtures import DRAFT, TARGET
+    from divergence.workloads.runner import RunConfig, load_models, run_schedules
+
+    cfg = RunConfig(model=TARGET, draft=DRAFT, policy="threshold:4", spec_k=3, stop_at_eos=False)
+    target, draft = load_models(cfg)
+    texts = ("The socket module provides", "Return the number of", "If the object", "Open file and return a stream.")
+    reqs = [Request(f"r{i + 1}", tuple(target.encode(t)), max_tokens=24, arrival=2 * i,
+                    sampling=Sampling(0.8, 0.95, 7 + i)) for i, t in enumerate(texts)]
+    run_schedules(cfg, target, draft, reqs, ("serial", "concurrent"), tmp_path)
+    got = {}
+    for sparse in (True, False):
+        replayer = Replayer(sparse=sparse)
+        opts = AnalysisOptions(confirm=True, make_replayer=lambda m, d: replayer, note=lambda s: None)
+        with Trace.open(tmp_path / "serial.h5") as a, Trace.open(tmp_path / "concurrent.h5") as b:
+            rep = analyze_pair(a, b, opts)
+        got[sparse] = {rid: (c.kind, c.a.step, c.b.step, rep.finding(rid).confirmed,
+                             rep.confirmations[rid].detail, str(rep.first_ops.get(rid)))
+                       for rid, c in rep.causes.items()}
+    assert got[True] == got[False]
+    assert got[True] and all(v[3] for v in got[True].values()), got[True]

@@ -42,6 +42,8 @@ def _run_checked(replayer, b, forced: dict, focus, until, observers=()):
     fails the check is not trusted: the replay runs again in full (its result then says why)."""
     if any(isinstance(v, RelayoutStep) for v in forced.values()):
         until = None  # a relayout moves the request's token sites (and may drop some): run to the end
+    elif until is not None and forced:  # every forced step runs (the check reads each), a later draft step too
+        until = max(until, max(int(s) for s in forced))
     record = RunRecord(kv_hashes=b.has_kv_hashes)
     try:
         got = replayer.run(b, forced=forced, observers=[*observers, record], focus=focus, stop_after=until)
