@@ -14,12 +14,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..core.events import (
-    DRAFT_MODEL, KERNEL_ROW, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, AllReduce, KernelChoice,
-    RequestEvent, RunInfo, StepEvent, StepKernels, StepPlan, kernel_choice,
+    DRAFT_MODEL, SPEC_ACCEPTED, SPEC_CORRECTED, SPEC_NONE, TARGET, VERIFY, AllReduce, RequestEvent, RunInfo,
+    StepEvent, StepKernels, StepPlan, kernel_choice,
 )
 from ..core.names import WARM, WARMUP_PREFIX
 from ..core.request import Request
 from . import sampling as smp
+from .kernel_sink import KernelSink
 from .kernels.environment import environment
 from .kv_events import KvLog, StepKv, kv_writes
 from .model_state import ModelState
@@ -78,7 +79,7 @@ class Run:
         self.want_kv = engine.wants("wants_kv_hashes")
         self.want_routing = engine.wants("wants_routing")
         self.want_records = engine.wants("wants_records")
-        self._kernels = _KernelSink()
+        self._kernels = KernelSink()
         emit_k = self._kernels if engine.wants("wants_kernels") else None
         prefix = engine.prefix_caching or schedule == WARM
         self.target = ModelState(engine.target, engine._target_fwd, engine.policy, TARGET, num_blocks,
@@ -398,41 +399,3 @@ def _same_layout(a: StepPlan, b: StepPlan) -> bool:
     return a.index == b.index and a.model == b.model and len(a.slices) == len(b.slices) and all(
         (x.request_id, x.phase, x.start, x.count, x.row_offset, x.logit_rows)
         == (y.request_id, y.phase, y.start, y.count, y.row_offset, y.logit_rows) for x, y in zip(a.slices, b.slices))
-
-
-class _KernelSink:
-    """Where the dispatchers' kernel events go while a step's graph is built: the step's rows
-    (StepKernels.rows), or nowhere between steps. A kernel choice of the step goes in as a
-    row (its fields but step: `row`, the dispatcher's; a KernelChoice, the experts', turned
-    into one); anything else (an all-reduce, a choice of another step) as the event, and the
-    step is `mixed`. Its own object, not a method of the Run: the Run holds its model states,
-    whose dispatchers hold this, so a bound method would make every traced Run cyclic
-    garbage, freed (its KV cache with it) only by a full collection, a pause as long as a
-    short run."""
-
-    __slots__ = ("buf", "step", "mixed")
-
-    def __init__(self):
-        self.buf: list | None = None
-        self.step = -1
-        self.mixed = False
-
-    def row(self, step: int, row: tuple) -> None:
-        buf = self.buf
-        if buf is not None:
-            if step == self.step:
-                buf.append(row)
-            else:
-                buf.append(kernel_choice(step, row))
-                self.mixed = True
-
-    def __call__(self, event: KernelChoice | AllReduce) -> None:
-        buf = self.buf
-        if buf is None:
-            return
-        if type(event) is KernelChoice and event.step == self.step:
-            d = event.__dict__
-            buf.append(tuple([d[f] for f in KERNEL_ROW]))
-        else:
-            buf.append(event)
-            self.mixed = True
