@@ -184,7 +184,6 @@ class Engine:
         """Whether an observer asks for the work `attr` names (Observer.wants_kv_hashes, ...)."""
         return any(getattr(ob, attr, False) for ob in self.observers)
 
-    _wants = wants  # (engine/replay.py's name for it)
 
 
 def _load(path, info: dict | None, dtype, what: str) -> LoadedModel:

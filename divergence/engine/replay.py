@@ -163,7 +163,7 @@ class _Decisions:
         self.q: dict[tuple[str, int], np.ndarray] = {}  # (request, position) -> the draft's q there
         self.generated: dict[str, list[int]] = {r: [] for r in req_by_id}
         self.topk = {r: ([], []) for r in req_by_id}
-        self.records = run.e._wants("wants_records")
+        self.records = run.e.wants("wants_records")
 
     def uniform(self, rid: str):
         sampling = self.req[rid].sampling
