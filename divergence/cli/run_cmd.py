@@ -21,7 +21,9 @@ DEMO_SPEC_K = 3  # verify = 4 rows: alone they run gemv under threshold:4, batch
 
 def add_arguments(p) -> None:
     add_model_args(p)
-    p.add_argument("--prompts", metavar="FILE.jsonl", help="JSON Lines, one request a line (default: built-in set)")
+    p.add_argument("--prompts", metavar="FILE.jsonl", help="JSON Lines, one request a line: {\"id\", \"prompt\" (any "
+                   "JSON string) or \"tokens\", \"max_tokens\", \"arrival\", \"temperature\", \"top_p\", \"seed\" (any "
+                   "integer, taken mod 2**63)}; docs/prompts.md (default: built-in set)")
     p.add_argument("--schedules", default="serial,concurrent", help="comma-separated: serial, concurrent, warm")
     p.add_argument("--policy", help="kernel policy: native | batch-invariant | threshold:N "
                    "(default: native with --model; threshold:4 in the demo)")
@@ -34,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, metavar="P", help="nucleus top-p, 0 < P <= 1, of every request whose "
                    "prompt line sets none (default: 1)")
     p.add_argument("--seed", type=int, metavar="S", help="sampling seed of every request whose prompt line sets "
-                   "none (default: 0)")
+                   "none (default: 0); any integer, taken mod 2**63 (docs/prompts.md)")
     p.add_argument("--prefix-cache", action="store_true", help="reuse cached KV blocks of shared prompt prefixes")
     p.add_argument("--prefill", choices=("whole", "mlx-lm"), default="whole",
                    help="where the prompt's last token is computed: in the prefill (whole, default) or in the "

@@ -8,13 +8,28 @@ from .names import WARMUP_PREFIX  # noqa: F401  (re-exported)
 from .rules import at_least_one
 
 
+SEED_SPACE = 2**63  # seeds the engine takes (and a trace's int64 holds): 0 .. 2**63 - 1
+
+
+def engine_seed(seed: int) -> int:
+    """Any integer seed (the OpenAI API takes any) in the engine's seed space: seed mod 2**63,
+    as Python's % gives it (-1 -> 2**63 - 1; 2**63 -> 0). Seeds already in 0 .. 2**63 - 1 are
+    kept as they are. The mapped seed is the one a trace records and a re-run uses."""
+    return int(seed) % SEED_SPACE
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings of one request. temperature == 0 means greedy."""
+    """Sampling settings of one request. temperature == 0 means greedy. seed: any integer,
+    kept as engine_seed(seed)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+    def __post_init__(self):
+        if not 0 <= self.seed < SEED_SPACE:
+            object.__setattr__(self, "seed", engine_seed(self.seed))
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,8 @@ Only what this engine does is accepted: one prompt and one choice a request (n =
 the server's recorded top-k, `stream` (+ `stream_options.include_usage`). Unknown
 fields are ignored, as OpenAI-compatible servers do. Defaults follow mlx_lm.server:
 temperature 0 (greedy). A request without a seed gets one, recorded, so `rerun`
-draws the same tokens.
+draws the same tokens; any integer seed is taken, as OpenAI's API takes it (Sampling maps it
+to the engine's seed space, seed mod 2**63: core.request.engine_seed; docs/prompts.md).
 """
 from __future__ import annotations
 

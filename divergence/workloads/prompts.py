@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from ..core.jsonl import MAX_FILE_BYTES, read_lines
-from ..core.request import Request, Sampling
+from ..core.request import Request, Sampling, engine_seed
 from ..errors import PromptError
 
 KNOWN_KEYS = {"id", "prompt", "tokens", "max_tokens", "arrival", "temperature", "top_p", "seed"}
@@ -55,16 +55,15 @@ def sampling_defaults(*, temperature=None, top_p=None, seed=None) -> dict:
     if "top_p" in out and not 0.0 < out["top_p"] <= 1.0:
         raise PromptError(f"--top-p must be in (0, 1], got {top_p}")
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-            raise PromptError(f"--seed must be an integer in 0..{SEED_MAX}, got {seed}")
-        out["seed"] = seed
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise PromptError(f"--seed must be an integer, got {seed}")
+        out["seed"] = seed  # any integer: engine_seed maps it (a prompt line's own seed too)
     return out
 
 
 MAX_PROMPT_FILE_BYTES = MAX_FILE_BYTES  # a prompt file larger than this is refused, not read into memory
 MAX_ID_CHARS = 256
 INT32_MAX = 2**31 - 1  # max_tokens and arrival are int32 in a trace
-SEED_MAX = 2**63 - 1  # the seed is int64 in a trace
 
 
 def load_prompts(path, encode, *, max_tokens: int | None = None, sampling: dict | None = None) -> list[Request]:
@@ -99,6 +98,14 @@ def _int(d: dict, key: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
+def _seed(d: dict) -> int:
+    """'seed': any integer, mapped to the engine's seed space (core.request.engine_seed)."""
+    v = d.get("seed", 0)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise PromptError(f"'seed' must be an integer, got {_show(v)}")
+    return engine_seed(v)
+
+
 def _number(d: dict, key: str, default: float) -> float:
     v = d.get(key, default)
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -113,8 +120,8 @@ def _number(d: dict, key: str, default: float) -> float:
 
 
 def _text(v, key: str) -> str:
-    if "\x00" in v:
-        raise PromptError(f"{key!r} holds a NUL character")
+    """Any JSON string that is text (NUL and other control characters included); a lone
+    surrogate (\ud800-\udfff alone) is not text: no tokenizer encodes it."""
     try:
         v.encode("utf-8")
     except UnicodeEncodeError:
@@ -126,6 +133,8 @@ def _id(v) -> str:
     if isinstance(v, bool) or not isinstance(v, (str, int)):
         raise PromptError(f"'id' must be a string (or an integer), got {_show(v)}")
     s = _text(str(v), "id")
+    if "\x00" in s:  # (a trace stores ids as HDF5 strings, which end at a NUL)
+        raise PromptError("'id' holds a NUL character")
     if not s.strip():
         raise PromptError("'id' must not be empty")
     if len(s) > MAX_ID_CHARS:
@@ -158,8 +167,7 @@ def request_from_dict(d: dict, encode, where: str) -> Request:
                 bad = next(t for t in toks if not 0 <= t <= INT32_MAX)
                 raise PromptError(f"'tokens' holds {_show(bad)}, not a token id (0..{INT32_MAX})")
             tokens = tuple(toks)
-        sampling = Sampling(_number(d, "temperature", 0.0), _number(d, "top_p", 1.0),
-                            _int(d, "seed", 0, 0, SEED_MAX))
+        sampling = Sampling(_number(d, "temperature", 0.0), _number(d, "top_p", 1.0), _seed(d))
         if sampling.temperature < 0:
             raise PromptError(f"'temperature' must be >= 0, got {_show(d['temperature'])}")
         if not 0.0 < sampling.top_p <= 1.0:

@@ -244,8 +244,6 @@ NESTED = "[" * 200_000 + "]" * 200_000
     ('{"id": "r1", "tokens": [true, false]}', "tokens"),
     ('{"id": "r1", "tokens": [1, -2]}', "tokens"),
     ('{"id": "r1", "prompt": "x", "seed": 1.9}', "seed"),
-    ('{"id": "r1", "prompt": "x", "seed": 1180591620717411303424}', "seed"),  # 2**70
-    ('{"id": "r1", "prompt": "x", "seed": -1}', "seed"),
     ('{"id": null, "prompt": "x"}', "'id'"),
     ('{"id": {"a": 1}, "prompt": "x"}', "'id'"),
     ('{"id": true, "prompt": "x"}', "'id'"),
