@@ -26,6 +26,7 @@ from .confirmation import Confirmation, Confirmer
 from .ops import FirstOp
 from .diff import DIVERGED, DiffReport, RequestDiff, diff_traces
 from .environment import environment_differs
+from .replay_progress import replay_label
 from .routing import find_routing_flip
 from .sampler import sampler_story
 from .step_view import WRITE_OPS, step_view, step_views
@@ -255,8 +256,9 @@ def bisect_traces(a, b, *, confirm: bool = False, confirmer: Confirmer | None = 
                 f"({replays} replays)") if replay_bisector is not None else "none: no KV hashes and no replay"
     if confirm and confirmer is not None and hashed:
         confirmer.prepare([(cause, diffs[rid]) for rid, cause in causes.items()])
-        for rid, cause in causes.items():
-            confirmations[rid] = confirmer.confirm(cause, diffs[rid])
+        for k, (rid, cause) in enumerate(causes.items(), 1):
+            with replay_label(f"confirming {rid} ({k}/{len(causes)}):"):  # (a progress line on a terminal)
+                confirmations[rid] = confirmer.confirm(cause, diffs[rid])
     first_ops = {rid: FirstOp(*op_finder(cause, diffs[rid])) for rid, cause in causes.items()} \
         if op_finder is not None and hashed else {}
     return BisectReport(d, causes, mode, confirm or not hashed, unexplained, confirmations, first_ops)

@@ -85,8 +85,11 @@ def locate(path, request_ids) -> Found:
                 where.setdefault(i, []).append(c)
     missing = [i for i in ids if i not in where]
     if missing:
-        what = f"{named} nor its {searched - 1} rotation siblings" if named is not None else \
-            f"the {searched} live traces of {p}"
+        if named is None:
+            what = f"the {searched} live traces of {p}"
+        else:
+            what = f"{named} nor its {searched - 1} rotation siblings" if searched > 1 else \
+                f"{named} (no other live trace beside it)"
         raise DivergenceInputError(f"no request {missing[0]!r} in {what} (the id is the `id` a divergence serve "
                                    f"response carried)")
     twice = [i for i in ids if len(where[i]) > 1]

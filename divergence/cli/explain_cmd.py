@@ -21,6 +21,8 @@ def add_arguments(p) -> None:
     p.add_argument("ids", metavar="ID", nargs="+", help="request ids, as the responses carried them")
     p.add_argument("--html", metavar="OUT.html", help="also write the report as one self-contained HTML page")
     p.add_argument("--json", action="store_true", help="print a JSON report (bisect --json's keys)")
+    p.add_argument("--bitwise", action="store_true", help="a request whose tokens match but whose logits differ "
+                   "counts as diverged: it gets a root cause and a confirmation like any other (exit 1)")
     p.add_argument("--out", metavar="DIR", help="keep the serial re-run there (serial.h5; default: a temporary "
                    "directory, removed at the end)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
@@ -45,8 +47,10 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory(prefix="divergence-explain-") as tmp:
         ref = _rerun(found, args.out or tmp, args)
         with Trace.open(ref) as a, Trace.open(found.path) as b:
-            report = analyze(a, b, found.ids, AnalysisOptions(confirm=True, model_dir=args.model,
-                                                              draft_dir=args.draft))
+            report = analyze(a, b, found.ids, AnalysisOptions(confirm=True, bitwise=args.bitwise,
+                                                              model_dir=args.model, draft_dir=args.draft))
+            if args.out is None:  # the re-run's file goes with the temporary directory
+                report.diff.path_a = "a serial re-run (not kept: --out DIR keeps it)"
             if html is not None:
                 print(write_page(report, a, b, html), file=sys.stderr)
             if args.json:

@@ -87,14 +87,15 @@ def replay_progress(what: str = "replaying"):
     if not on_tty():
         yield
         return
-    from ..analysis.replay_progress import REPLAY_PROGRESS  # (lazy: the parser imports every command)
+    from ..analysis.replay_progress import REPLAY_LABEL, REPLAY_PROGRESS  # (lazy: the parser imports every command)
 
     def line(trace):
         try:
             total = trace.num_steps
         except Exception:  # a progress line is never worth a failure
             total = "?"
-        return StepLine(what, total)
+        label = REPLAY_LABEL.get()
+        return StepLine(f"{label} {what}" if label else what, total)
 
     token = REPLAY_PROGRESS.set(line)
     try:

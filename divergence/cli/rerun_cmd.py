@@ -34,12 +34,17 @@ def main(args) -> int:
         ids = [i.strip() for i in args.requests.split(",") if i.strip()]
         if not ids:
             raise PromptError("--requests names no request")
-    path, result, skipped = rerun(args.live, args.out, schedule=args.schedule, request_ids=ids,
-                                  model_dir=args.model, draft_dir=args.draft)
+    from .progress import rerun_progress  # (lazy: loads numpy; the parser imports every command)
+
+    with rerun_progress(args.live, ids) as observers:  # on a terminal: 're-running serially: step 120, 340 tokens'
+        path, result, skipped = rerun(args.live, args.out, schedule=args.schedule, request_ids=ids,
+                                      model_dir=args.model, draft_dir=args.draft, observers=observers)
     remember_outputs([path], command="rerun")
     ran = len(result.outputs) - len(skipped)
     print(f"{args.schedule:<11} {ran} requests, {result.generated_tokens} tokens, {result.steps} steps "
           f"({result.target_steps} target), {result.seconds:.1f} s -> {path}")
+    for src, readers in (getattr(result, "prefix_sources", None) or {}).items():
+        print(f"  also re-ran {src}: {', '.join(readers)} read its prefix-cache blocks")
     missing = [rid for rid, why in skipped.items() if why == NOT_CHOSEN]
     for rid, why in [(r, w) for r, w in skipped.items() if w != NOT_CHOSEN][:10]:
         print(f"  left out {rid}: {why}", file=sys.stderr)
