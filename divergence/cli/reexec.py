@@ -62,7 +62,7 @@ def run_under_recorded_environment(args, argv) -> int | None:
     print(f"note: replaying under the recorded BLAS environment ({rep.describe()}) in a child process",
           file=sys.stderr)
     sys.stderr.flush()
-    return subprocess.call([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
+    return call_child([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
 
 
 def run_under_requested_core(args, argv) -> int | None:
@@ -83,5 +83,31 @@ def run_under_requested_core(args, argv) -> int | None:
 
     if (blas_core() or "").lower() == core.lower() or os.environ.get(REEXEC_ENV):
         return None
-    return subprocess.call([sys.executable, "-m", "divergence", *argv],
-                           env=child_environment(Reproduction(env={CORE_ENV: core})))
+    return call_child([sys.executable, "-m", "divergence", *argv],
+                      env=child_environment(Reproduction(env={CORE_ENV: core})))
+
+
+def call_child(cmd: list, env: dict) -> int:
+    """Run the command's child; its exit code. Its output goes where this process's sys.stdout and
+    sys.stderr go: their file descriptors where they have them (a terminal keeps its progress
+    line), else through them (main() called in-process with its output captured or redirected:
+    the caller reads the child's report as it would this process's)."""
+    streams = {name: getattr(sys, name) for name in ("stdout", "stderr")}
+    piped = {name: _fd(s) is None for name, s in streams.items()}
+    for s in streams.values():
+        s.flush()
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE if piped["stdout"] else None,
+                       stderr=subprocess.PIPE if piped["stderr"] else None)
+    for name, s in streams.items():
+        data = getattr(p, name)
+        if piped[name] and data:
+            s.write(data.decode("utf-8", "replace"))
+            s.flush()
+    return p.returncode
+
+
+def _fd(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return None
