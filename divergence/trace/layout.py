@@ -335,22 +335,30 @@ def read_commit(f: h5py.File, *, refresh: bool) -> tuple[int, dict[str, tuple[in
 
 
 def read_rows(f: h5py.File, name: str, n: int, *, refresh: bool) -> np.ndarray:
-    """The first n records of a table (n within what some commit named). Rows, once
-    committed, never change: the body only grows, and a tail slot is rewritten only
-    after the next commit is on disk, which a reader of a live file checks."""
+    """The first n records of a table (n within what some commit named)."""
+    return read_range(f, name, 0, n, refresh=refresh)
+
+
+def read_range(f: h5py.File, name: str, lo: int, hi: int, *, refresh: bool, commit=None) -> np.ndarray:
+    """Records [lo, hi) of a table (hi within what some commit named): the body's, then the
+    committed tail slot's. Rows, once committed, never change: the body only grows, and a
+    tail slot is rewritten only after the next commit is on disk, which a reader of a live
+    file checks. commit: the commit record of a file no writer has open (read once)."""
     body = f[name]
+    if hi <= lo:
+        return body[0:0]
     for _ in range(1000):
-        seq, commit = read_commit(f, refresh=refresh)
-        nb, nt, slot = commit[name]
+        seq, now = (None, commit) if commit is not None and not refresh else read_commit(f, refresh=refresh)
+        nb, _, slot = now[name]
         if refresh:
             body.refresh()
-        if n <= nb:
-            return body[:n]
-        head = body[:nb]
+        if hi <= nb:
+            return body[lo:hi]
+        head = body[lo:nb] if lo < nb else body[0:0]
         tails = f[S.TAILS][name]
         if refresh:
             tails.refresh()  # its chunks may have been allocated since this reader looked
-        tail = tails[slot, : n - nb]
+        tail = tails[slot, max(lo - nb, 0): hi - nb]
         # the writer fills a slot before the commit naming it: the slot we read is rewritten
         # while the second commit after ours is being written, so any commit since means retry
         if not refresh or read_commit(f, refresh=True)[0] == seq:

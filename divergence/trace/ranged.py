@@ -30,35 +30,11 @@ from ..core.names import WARM
 from . import schema as S
 from . import validate
 from .h5lock import H5_LOCK
-from .layout import read_commit
+from .layout import read_commit, read_range
 
 LARGE_BYTES = 256 << 20  # files this large read ranges, not whole tables
 SCAN_ROWS = 1 << 20  # rows of one column read at a time by a scan
 GAP_ROWS = 4096  # pointed-at rows this close together are read as one range
-
-
-def read_range(f: h5py.File, name: str, lo: int, hi: int, *, refresh: bool) -> np.ndarray:
-    """Records [lo, hi) of a schema-2 table (within what some commit named): the body's, then
-    the committed tail slot's. As layout.read_rows: a tail slot read while a newer commit was
-    written is read again."""
-    body = f[name]
-    if hi <= lo:
-        return body[0:0]
-    for _ in range(1000):
-        seq, commit = read_commit(f, refresh=refresh)
-        nb, nt, slot = commit[name]
-        if refresh:
-            body.refresh()
-        if hi <= nb:
-            return body[lo:hi]
-        head = body[lo:nb] if lo < nb else body[0:0]
-        tails = f[S.TAILS][name]
-        if refresh:
-            tails.refresh()
-        tail = tails[slot, max(lo - nb, 0): hi - nb]
-        if not refresh or read_commit(f, refresh=True)[0] == seq:
-            return np.concatenate([head, tail])
-    raise OSError(f"/{name} kept changing while it was read")
 
 
 def runs(starts: np.ndarray, counts: np.ndarray, gap: int = GAP_ROWS) -> list[tuple[int, int]]:
@@ -108,7 +84,8 @@ class RangedReads:
         lo = max(0, min(lo, hi))
         with H5_LOCK:
             try:
-                rec = read_range(self.f, name, lo, hi, refresh=self.swmr) if name in self.f else None
+                rec = read_range(self.f, name, lo, hi, refresh=self.swmr, commit=self._frozen) if name in self.f \
+                    else None
             except Exception as e:  # noqa: BLE001  (HDF5: OSError, KeyError, TypeError of a foreign object)
                 raise validate.damaged(self.path, f"cannot read /{name} rows {lo}-{hi} ({e})") from None
         if rec is None:
@@ -128,8 +105,13 @@ class RangedReads:
     def _column(self, name: str, col: str, lo: int, hi: int) -> np.ndarray:
         """One column of records [lo, hi), as stored (a search's or a scan's: not checked)."""
         with H5_LOCK:
-            rec = read_range(self.f, name, lo, hi, refresh=self.swmr)
+            rec = read_range(self.f, name, lo, hi, refresh=self.swmr, commit=self._frozen)
         return np.asarray(rec[col])
+
+    @property
+    def _frozen(self) -> dict | None:
+        """The commit record of a file no writer has open (read once), else None (read it each time)."""
+        return None if self.swmr else self._once("frozen_commit", lambda: read_commit(self.f, refresh=False)[1])
 
     def _first_row(self, name: str, above, lo: int = 0, hi: int | None = None) -> int:
         """The first row in [lo, hi) whose step satisfies `above` (a predicate false then true

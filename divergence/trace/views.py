@@ -37,13 +37,30 @@ class RecordViews(RangedReads):
         if self.ranged and self.selected is not None:  # some requests: their steps' rows
             t = self._request_rows("tokens", request_id)
             sel = np.arange(len(t["step"]))
-        else:  # every request (a diff of them all): the table, grouped by request once
+        elif self.ranged:  # every request, in order (a diff of them all): a batch of requests' steps at a time
+            t, order, starts = self._token_batch(i)
+            sel = order[starts[i]:starts[i + 1]]
+        else:  # the table, grouped by request once
             t = self._tokens
             order, starts = self._once("tokens_by_request", lambda: _group(t["request"], len(self.requests)))
             sel = order[starts[i]:starts[i + 1]]
         sel = sel[np.argsort(t["position"][sel], kind="stable")]
         return TokenRecords(t["position"][sel], t["token"][sel], t["step"][sel], t["spec"][sel],
                             t["topk_ids"][sel], t["topk_logits"][sel], t["logit"][sel], t["prob"][sel])
+
+    TOKEN_BATCH = 1024  # requests whose tokens a ranged read of every request reads at once
+
+    def _token_batch(self, i: int):
+        """(rows, order, starts) of the steps the batch of requests holding request i lived: its
+        tokens and its neighbours', grouped by request; the last batch is kept (memory: one batch)."""
+        b = i // self.TOKEN_BATCH
+        got = self._cache.get("token_batch")  # (the snapshot's: refresh() drops it)
+        if got is None or got[0] != b:
+            ids = [r.id for r in self.requests[b * self.TOKEN_BATCH:(b + 1) * self.TOKEN_BATCH]]
+            spans = [self.lifetime(rid) for rid in ids]
+            t = self._step_rows("tokens", min(a for a, _ in spans), max(z for _, z in spans))
+            got = self._cache["token_batch"] = (b, t, *_group(t["request"], len(self.requests)))
+        return got[1:]
 
     @property
     def _slices(self) -> dict[str, np.ndarray]:
