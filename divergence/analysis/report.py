@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from ..core.labels import composition_text, span_text
-from .cause import CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, Finding, RootCause
+from .cause import (CACHE_CONTAMINATION, CONFIRMED_BY, ENVIRONMENT, SAMPLER, STEP_COMPUTE, BisectReport, Finding,
+                    RootCause)
 from .diff import DIVERGED, MISSING, DiffReport, RequestDiff
 from .step_view import StepView
 

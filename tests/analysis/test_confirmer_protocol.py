@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from divergence.analysis.bisect import bisect_traces
-from divergence.analysis.cause import BY_COMMAND, BY_REPLAY, ENVIRONMENT, RootCause
+from divergence.analysis.cause import BY_COMMAND, BY_REPLAY, ENVIRONMENT
 from divergence.analysis.confirm import ReplayConfirmer
 from divergence.analysis.confirm_command import CommandConfirmer
 from divergence.analysis.confirmation import BaseConfirmer, ByKind, Confirmation, Confirmer
