@@ -219,6 +219,8 @@ def _environment_note(d: DiffReport) -> list[str]:
 def _subset_note(d: DiffReport) -> list[str]:
     if d.selected:
         some = ", ".join(d.selected[:5]) + (f" and {len(d.selected) - 5} more" if len(d.selected) > 5 else "")
+        if len(d.selected) == 1:
+            return [f"note: only the request chosen is compared ({some})"]
         return [f"note: only the {len(d.selected)} requests chosen are compared ({some})"]
     if not d.subset:
         return []
