@@ -12,6 +12,8 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
+
 from ..core.atomic import temp_name
 from ..core.names import ATTENTION, BATCH_GENERATOR, LOGPROBS, PADDED, PER_SEQ, REPLAYABLE_ENGINES
 from ..core.policy import KernelPolicy
@@ -126,19 +128,20 @@ class Replayer:
         check_forced(trace, forced or {})
         check_this_process(trace, under)  # another BLAS core would make every fp32 bit differ for that alone
         engine = self.engine_for(trace, observers=observers)
-        recorded = self._plans(trace)
         window = None
         if focus is not None and self.sparse:
-            window = plan_window(trace, recorded, focus, stop_after, forced_steps=(forced or {}).keys())
+            window = plan_window(trace, focus, stop_after, forced_steps=(forced or {}).keys(),
+                                 plans_in=lambda lo, hi: self._plans(trace, lo, hi))
         requests = list(trace.requests)
         if isinstance(window, SparseWindow):
-            recorded = window.plans(recorded)
+            recorded = self._plans(trace, window.first, window.last)
             sites = self._sites(trace, window.real)
             sites = [x for x in sites if window.first <= x.step <= window.last]
             stand_ins = window.stand_ins
             # only the window's requests: the cache is sized for them, not for the whole trace
             requests = [r for r in requests if r.id in window.real or r.id in stand_ins]
         else:
+            recorded = self._plans(trace)
             sites = self._sites(trace, None)
             stand_ins = frozenset()
         forced = with_recorded_attention(trace, recorded, forced or {}, self._attention(trace))
@@ -163,8 +166,17 @@ class Replayer:
                 del memo[k]
         return got[1]
 
-    def _plans(self, trace) -> list:
-        return self._once(trace, "plans", lambda: list(trace.iter_plans()))
+    def _plans(self, trace, first: int | None = None, last: int | None = None) -> list:
+        """The recorded plans (of steps first..last), each read from the trace once."""
+        if first is None:
+            return self._once(trace, "plans", lambda: list(trace.iter_plans()))
+        have = self._once(trace, "plans_by_index", dict)
+        index = self._once(trace, "step_index", lambda: np.sort(np.asarray(trace.steps["index"], np.int64)))
+        want = index[(index >= first) & (index <= last)]
+        for i in want.tolist():
+            if i not in have:
+                have[i] = trace.step_plan(i)
+        return [have[i] for i in want.tolist()]
 
     def _draws(self, trace) -> dict:
         from ..engine.replay import recorded_draws  # (lazy: loads MLX)

@@ -86,8 +86,15 @@ def _owned(v: RunView, cells: list) -> list:
     reads another's blocks (the prefix cache) mirrors the owner's, and how far that mirror
     reaches is not the step's computation (a relayout that later recomputes part of those
     blocks shortens it), while the owner's writes stay B's."""
-    computed = {i: {s.request_id for s in p.slices} for i, p in v.plans.items()}
-    return [c for c in cells if c[2] in computed.get(c[0], ())]
+    computed: dict = {}
+
+    def of(step: int) -> set:
+        if step not in computed:
+            p = v.plans.get(step)
+            computed[step] = {s.request_id for s in p.slices} if p is not None else set()
+        return computed[step]
+
+    return [c for c in cells if c[2] in of(c[0])]
 
 
 def _first_kv_difference(b: RunView, r: RunView, before: int, window=None) -> str | None:

@@ -2,6 +2,8 @@
 read into one RunView (schedule, step plans, kernel labels, K/V cells)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from ..core.events import Observer
@@ -34,30 +36,58 @@ class RunRecord(Observer):
         self.kv.append(w)
 
 
+class _TracePlans(Mapping):
+    """A trace's step plans by index, each read when first asked for (a sparse re-run's check
+    reads the steps it ran, not the whole trace)."""
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.index = np.sort(np.asarray(trace.steps["index"], np.int64))
+        self._have: dict = {}
+
+    def __getitem__(self, i):
+        if i not in self._have:
+            if not self.index.size or self.index[min(np.searchsorted(self.index, i), self.index.size - 1)] != i:
+                raise KeyError(i)
+            self._have[i] = self.trace.step_plan(int(i))
+        return self._have[i]
+
+    def __iter__(self):
+        return iter(self.index.tolist())
+
+    def __len__(self) -> int:
+        return int(self.index.size)
+
+
 class RunView:
-    """The parts of a run check_rerun compares: of a Trace or of a RunRecord."""
+    """The parts of a run check_rerun compares: of a Trace or of a RunRecord. A trace's plans
+    and kernel rows are read per step, when asked for."""
 
     def __init__(self, run):
         self.run = run
         self.is_trace = not isinstance(run, RunRecord)
+        self._by_step: dict = {}
         if self.is_trace:
             self.schedule = run.meta.get("schedule")
-            self.plans = {p.index: p for p in run.iter_plans()}
+            self.plans = _TracePlans(run)
             self.has_kv = bool(run.has_kv_hashes)
             ks = run.kernels()
-            labels = [kernel_label(str(k), int(s)) for k, s in zip(ks["kernel"], ks["splits"])]
-            self._k = list(zip((int(x) for x in ks["step"]), (str(x) for x in ks["model"]),
-                               (int(x) for x in ks["layer"]), (str(x) for x in ks["op"]),
-                               (int(x) for x in ks["expert"]), (int(x) for x in ks["rows"]), labels))
+            steps = np.asarray(ks["step"], np.int64)
+            order = np.argsort(steps, kind="stable")
+            self._ks, self._order, self._steps = ks, order, steps[order]
         else:
-            self.schedule, self.plans, self.has_kv, self._k = run.schedule, run.plans, run.wants_kv_hashes, \
-                run.kernel_rows
-        self._by_step: dict = {}
-        for row in self._k:
-            self._by_step.setdefault(row[0], []).append(row[1:])
+            self.schedule, self.plans, self.has_kv = run.schedule, run.plans, run.wants_kv_hashes
+            for row in run.kernel_rows:
+                self._by_step.setdefault(row[0], []).append(row[1:])
 
     def kernels(self, step: int) -> list:
         """(model, layer, op, expert, rows, label) of the step, in recorded order."""
+        if self.is_trace and step not in self._by_step:
+            ks = self._ks
+            rows = self._order[np.searchsorted(self._steps, step, "left"):np.searchsorted(self._steps, step, "right")]
+            self._by_step[step] = [(str(ks["model"][i]), int(ks["layer"][i]), str(ks["op"][i]), int(ks["expert"][i]),
+                                    int(ks["rows"][i]), kernel_label(str(ks["kernel"][i]), int(ks["splits"][i])))
+                                   for i in rows.tolist()]
         return self._by_step.get(step, [])
 
     def kv_cells(self, before: int, *, since: int = 0, only=None) -> list:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..core.events import StepPlan
 from ..core.names import WARM
 
@@ -46,15 +48,6 @@ class SparseWindow:
         return f"sparse replay: steps {self.first}-{self.last} ({self.steps} of {self.of})"
 
 
-def first_steps(plans: list[StepPlan]) -> dict[str, int]:
-    """request -> the first step (either model's) that computes it."""
-    out: dict[str, int] = {}
-    for p in plans:
-        for s in p.slices:
-            out.setdefault(s.request_id, p.index)
-    return out
-
-
 def prefix_readers(requests, settings: dict, schedule: str) -> dict[str, set]:
     """request -> the requests whose K/V it may read through the prefix cache (any that
     shares at least one full block of its prompt); empty without a prefix cache."""
@@ -74,27 +67,46 @@ def prefix_readers(requests, settings: dict, schedule: str) -> dict[str, set]:
     return out
 
 
-def plan_window(trace, plans: list[StepPlan], focus, until: int | None, forced_steps=()) -> SparseWindow | str:
+def arrivals(trace, ids) -> dict[str, int]:
+    """request -> the step it arrived at (its first step can come no earlier): from the
+    request events, without reading any step plan; a request without one arrived at step 0."""
+    return {r: trace.lifetime(r)[0] for r in ids}
+
+
+def plan_window(trace, focus, until: int | None, forced_steps=(), plans_in=None) -> SparseWindow | str:
     """The window that gives `focus`'s bits up to step `until` (None: the last step), or
-    the reason a sparse replay is not known to be faithful for this trace (run it in full)."""
+    the reason a sparse replay is not known to be faithful for this trace (run it in full).
+    plans_in(first, last) -> the recorded plans of those steps (default: read from the trace);
+    only the window's plans are read, so the cost follows the request, not the trace."""
     if trace.tp_degree > 1:
         return TP
     if trace.has_routing:
         return MOE
     settings = trace.meta.get("settings", {})
-    firsts = first_steps(plans)
+    known = {r.id for r in trace.requests}
     readers = prefix_readers(trace.requests, settings, trace.meta.get("schedule", ""))
-    real, todo = set(), [r for r in focus if r in firsts]
+    firsts = arrivals(trace, [r for r in focus if r in known])
+    real, todo = set(), list(firsts)
     while todo:  # the focus, and everyone whose K/V they (or those) may read, before them
         r = todo.pop()
         if r in real:
             continue
         real.add(r)
-        todo += [q for q in readers.get(r, ()) if q in firsts and firsts[q] <= firsts[r] and q not in real]
-    last_index = plans[-1].index if plans else 0
+        for q in readers.get(r, ()):
+            if q not in real:
+                firsts.setdefault(q, arrivals(trace, [q])[q])
+                if firsts[q] <= firsts[r]:
+                    todo.append(q)
+    index = np.asarray(trace.steps["index"], np.int64)
+    last_index = int(index.max()) if index.size else 0
     last = last_index if until is None else min(int(until), last_index)
-    starts = [firsts[r] for r in real] + [int(s) for s in forced_steps]
-    first = min(starts, default=0)
-    window = [p for p in plans if first <= p.index <= last]
+    first = min([firsts[r] for r in real] + [int(s) for s in forced_steps], default=0)
+    window = (plans_in or (lambda lo, hi: window_plans(trace, lo, hi)))(first, last)
     stand_ins = {s.request_id for p in window for s in p.slices} - real
-    return SparseWindow(first, last, frozenset(real), frozenset(stand_ins), len(window), len(plans))
+    return SparseWindow(first, last, frozenset(real), frozenset(stand_ins), len(window), int(index.size))
+
+
+def window_plans(trace, first: int, last: int) -> list[StepPlan]:
+    """The recorded plans of steps first..last, in step order."""
+    index = np.asarray(trace.steps["index"], np.int64)
+    return [trace.step_plan(int(i)) for i in np.sort(index[(index >= first) & (index <= last)])]

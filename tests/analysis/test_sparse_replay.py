@@ -80,7 +80,7 @@ def test_a_prefix_hit_makes_its_writer_real(root):
         last = t.requests[-1].id
         hit = next(s.start for p in plans for s in p.slices if s.request_id == last)
         assert hit > 0  # it found its prompt's first blocks in the cache
-        w = plan_window(t, plans, {last}, None)
+        w = plan_window(t, {last}, None)
         assert len(w.real) > 1 and w.first == 0, w  # the writer, from step 0
         # (the bits themselves: test_the_sparse_replay_gives_the_full_replays_bits[prefix-cache])
 
@@ -117,7 +117,7 @@ def test_tensor_parallel_traces_fall_back_and_say_why():
     from divergence.analysis.sparse import TP, plan_window
 
     trace = SimpleNamespace(tp_degree=2, has_routing=False, meta={}, requests=[])
-    assert plan_window(trace, [], {"r1"}, None) == TP
+    assert plan_window(trace, {"r1"}, None) == TP
 
 
 def test_requests_forced_alike_share_one_replay_with_their_own_bits(root, monkeypatch):
