@@ -191,3 +191,36 @@ async def _expect_disconnect(coro):
         return await coro
     except httpx.HTTPError as e:  # the long stream's connection dies with the server: after the kill
         raise AssertionError(f"the server went away before the short requests were answered: {e!r}") from None
+
+
+_BASE = "The module defines the following functions for working with files and directories in the operating system. "
+PREFIX_PROMPTS = [  # p3 begins with p1's first block: with a prefix cache it reads p1's K/V there. p1's prefill
+    # (80 rows) takes another split-K than p3's own (20 rows) would: p3's bits depend on whose block it read
+    {"id": "p1", "prompt": _BASE * 3, "max_tokens": 8},
+    {"id": "p4", "prompt": "Return the number of items", "max_tokens": 8, "arrival": 1},
+    {"id": "p3", "prompt": _BASE[:80], "max_tokens": 8, "arrival": 6},
+]
+
+
+def test_a_rerun_of_one_request_reruns_the_prefix_cache_blocks_it_read(tmp_path):
+    """A request that read another's prefix-cache blocks gets its reference from the same blocks:
+    the re-run of it alone re-runs their writer too, and gives it the bits the whole re-run gives."""
+    from divergence.serve.rerun import prefix_sources, rerun
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PREFIX_PROMPTS))
+    assert main(["run", "--prompts", str(prompts), "--prefix-cache", "--schedules", "concurrent",
+                 "--out", str(tmp_path / "run")]) in (0, 1)
+    live = tmp_path / "run" / "concurrent.h5"
+    with trace_of(live) as t:
+        assert prefix_sources(t, ["p3"]) == {"p1": ["p3"]}
+        assert prefix_sources(t, ["p4"]) == {}
+    whole, _, _ = rerun(live, tmp_path / "whole")
+    one, result, _ = rerun(live, tmp_path / "one", request_ids=["p3"])
+    assert result.prefix_sources == {"p1": ["p3"]}
+    with trace_of(whole) as w, trace_of(one) as o:
+        assert sorted(o.meta["settings"]["rerun"]["requests"]) == ["p1", "p3"]
+        assert o.tokens("p3").tokens.tolist() == w.tokens("p3").tokens.tolist()
+        assert o.tokens("p3").topk_logits.tobytes() == w.tokens("p3").topk_logits.tobytes()
+        for key in ("k_hash", "v_hash", "position"):
+            assert o.live_kv("p3")[key].tobytes() == w.live_kv("p3")[key].tobytes()
