@@ -10,7 +10,7 @@ import numpy as np
 
 from ..core.request import Sampling
 from . import schema as S
-from . import validate
+from . import validate, validate_header
 
 
 @dataclass(frozen=True)
@@ -22,9 +22,13 @@ class TraceRequest:
     sampling: Sampling
 
 
-def read_meta(f, path) -> dict:
-    """/meta's JSON attributes (settings, model, draft, environment) and the file's run attributes."""
-    m = f[S.META].attrs
+def read_meta(f, path, attrs: dict) -> dict:
+    """/meta's JSON attributes (settings, model, draft, environment) and the file's run attributes
+    (`attrs`: the file's attributes, checked)."""
+    try:
+        m = f[S.META].attrs
+    except Exception as e:  # noqa: BLE001  (HDF5: a damaged object header)
+        raise validate.damaged(path, f"/meta cannot be read ({e})") from None
     out = {}
     for k in ("settings", "model", "draft", "environment"):
         try:
@@ -35,20 +39,20 @@ def read_meta(f, path) -> dict:
             raise validate.damaged(path, f"/meta attribute {k!r} is not JSON ({e})") from None
         except OSError as e:  # HDF5: a damaged attribute heap
             raise validate.damaged(path, f"/meta attribute {k!r} cannot be read ({e})") from None
-    if not isinstance(out["settings"], dict):
-        raise validate.damaged(path, "/meta attribute 'settings' is not a JSON object")
+    validate_header.meta(path, out)
     for k in ("schedule", "policy", "created", "top_k"):
-        v = f.attrs.get(k)
+        v = attrs.get(k)
         out[k] = v.item() if hasattr(v, "item") else v
-    out["completed"] = bool(f[S.STATUS][0])
+    out["completed"] = validate_header.status(path, f)
     return out
 
 
 def read_requests(f, path) -> list[TraceRequest]:
     """The requests /requests holds (a live run's later ones are in /live_requests)."""
-    g = f[S.REQUESTS]
     try:
-        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in g["id"][()]]
+        g = f[S.REQUESTS]
+        raw_ids = g["id"][()]
+        ids = [x.decode() if isinstance(x, bytes) else str(x) for x in raw_ids]
         off = g["prompt_offsets"][()]
         flat = g["prompt_tokens"][()]
         arr, mt = g["arrival"][()], g["max_tokens"][()]
@@ -65,6 +69,7 @@ def read_requests(f, path) -> list[TraceRequest]:
             raise validate.damaged(path, f"/requests/{name} holds {len(a)} entries for {n} requests")
     if n and (off[0] < 0 or (np.diff(off) < 0).any() or off[-1] > len(flat)):
         raise validate.damaged(path, "/requests/prompt_offsets do not index /requests/prompt_tokens")
+    validate_header.requests(path, raw_ids, off, flat, arr, mt, temp, top_p)
     return [TraceRequest(rid, tuple(int(t) for t in flat[off[i]: off[i + 1]]), int(arr[i]), int(mt[i]),
                             Sampling(float(temp[i]), float(top_p[i]), int(seed[i]))) for i, rid in enumerate(ids)]
 
@@ -75,7 +80,9 @@ def read_vocab(f, path) -> list[str] | None:
         return None
     try:
         g = f[S.VOCAB]
-        raw, off = g["bytes"][()].tobytes(), g["offsets"][()]
+        data, off, digest = g["bytes"][()], g["offsets"][()], g.attrs.get(validate_header.DIGEST)
     except Exception as e:  # noqa: BLE001
         raise validate.damaged(path, f"/vocab cannot be read ({e})") from None
+    validate_header.vocab(path, data, off, digest)
+    raw = data.tobytes()
     return [raw[off[i]: off[i + 1]].decode("utf-8", "replace") for i in range(len(off) - 1)]

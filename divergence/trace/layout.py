@@ -21,6 +21,7 @@ import numpy as np
 from ..core.atomic import temp_name
 from . import schema as S
 from .failure import close_or_abandon
+from .validate_header import DIGEST, vocab_digest
 
 
 def _json(obj) -> str:
@@ -268,6 +269,7 @@ def _fill(f: h5py.File, info, *, top_k: int, kv_hashes: bool, kv_hash: str, code
         offsets = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
         for name, data in (("bytes", raw), ("offsets", offsets)):  # ~2.5 MB raw for a 152k vocabulary
             g.create_dataset(name, data=data, chunks=(max(1, min(len(data), 1 << 16)),), **S.COMPRESSION)
+        g.attrs[DIGEST] = vocab_digest(raw, offsets)  # readers check it: an edit would print tokens as other text
     tails = f.create_group(S.TAILS)
     for name in S.TABLES:
         dt = dtypes[name]

@@ -22,7 +22,7 @@ import numpy as np
 from ..core.request import Sampling
 from ..errors import DivergenceInputError, TraceError
 from . import schema as S
-from . import validate
+from . import validate, validate_header
 from .h5lock import H5_LOCK
 from .header import TraceRequest, read_meta, read_requests, read_vocab
 from .layout import read_commit, read_rows
@@ -98,7 +98,7 @@ class Trace(RecordViews):
     @property
     def completed(self) -> bool:
         with H5_LOCK:
-            return bool(self.f[S.STATUS][0])
+            return validate_header.status(self.path, self.f)
 
     @property
     def has_kv_hashes(self) -> bool:
@@ -110,9 +110,11 @@ class Trace(RecordViews):
 
     def _read_attrs(self) -> dict:
         try:
-            return dict(self.f.attrs)
+            a = dict(self.f.attrs)
         except Exception as e:  # noqa: BLE001  (HDF5: a damaged attribute heap)
             raise validate.damaged(self.path, f"its attributes cannot be read ({e})") from None
+        validate_header.attrs(self.path, a)
+        return a
 
     def codes(self, key: str) -> tuple[str, ...]:
         """A code table as this file stored it (e.g. 'ops'); schema's own where the file has none."""
@@ -134,7 +136,7 @@ class Trace(RecordViews):
 
     @property
     def meta(self) -> dict:
-        return self._once("meta", lambda: read_meta(self.f, self.path))
+        return self._once("meta", lambda: read_meta(self.f, self.path, self._attrs))
 
     @property
     def requests(self) -> list[TraceRequest]:
@@ -143,6 +145,7 @@ class Trace(RecordViews):
     def _requests(self) -> list[TraceRequest]:
         out = read_requests(self.f, self.path)
         out += self._live_requests()
+        validate_header.request_ids(self.path, [r.id for r in out])
         self._check_request_count(len(out))
         return out
 
@@ -152,6 +155,8 @@ class Trace(RecordViews):
             return []
         try:
             commit = self._once("commit", self._commit)
+        except TraceError:
+            raise
         except Exception as e:  # noqa: BLE001  (HDF5: OSError, KeyError of a damaged commit record)
             raise validate.damaged(self.path, f"its commit record cannot be read ({e})") from None
         if "live_requests" not in commit:
@@ -266,7 +271,7 @@ class Trace(RecordViews):
                 return self
             self._cache["checked"] = True  # (reading the tokens below comes back here)
             try:
-                self.requests, self.meta, self.vocab
+                self._attrs, self.completed, self.requests, self.meta, self.vocab
                 for name in S.TABLES:
                     self.table(name, raw=True)
             except BaseException:
@@ -290,6 +295,8 @@ class Trace(RecordViews):
 
     def _commit(self) -> dict:
         if S.COMMIT in self.f:
+            names = validate_header.code_table(self.path, "commit_tables", self._attrs.get("commit_tables"), ())
+            validate_header.commit(self.path, self.f[S.COMMIT], names)
             return read_commit(self.f, refresh=self.swmr)[1]
         # schema-2 files written without a commit record: whole datasets, steps written last
         sizes = {}

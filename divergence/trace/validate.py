@@ -25,6 +25,30 @@ OFFSETS: dict[str, dict[str, tuple[str | None, str]]] = {
     "live_requests": {"prompt_offset": ("prompt_count", "live_prompt_tokens")},
 }
 _KINDS = {"i": "iu", "u": "iu", "f": "f", "b": "b"}  # schema dtype kind -> stored kinds a reader can use
+# column -> (least, greatest or None) value a record may hold: steps, positions, counts, token ids, layers
+# (-1 where the schema pads or means "none")
+RANGES: dict[str, dict[str, tuple[int, int | None]]] = {
+    "steps": {"index": (0, None), "rows": (0, None), "slice_count": (0, None)},
+    "slices": {"step": (0, None), "start": (0, None), "count": (0, None), "row_offset": (0, None),
+               "logit_count": (0, None)},
+    "slice_tokens": {"value": (0, None)},
+    "slice_logit_rows": {"value": (0, None)},
+    "kernels": {"step": (0, None), "layer": (0, None), "m": (0, None), "n": (0, None), "k": (0, None),
+                "splits": (0, None), "expert": (-1, None), "kv_min": (0, None)},
+    "kv_writes": {"step": (0, None), "layer": (0, None), "start": (0, None), "count": (0, None)},
+    "tokens": {"step": (0, None), "position": (0, None), "token": (0, None), "spec": (0, 2), "topk_ids": (-1, None)},
+    "request_events": {"step": (0, None)},
+    "draws": {"step": (0, None), "position": (0, None), "token": (-1, None), "prev_token": (-1, None),
+              "next_token": (-1, None)},
+    "routing": {"step": (0, None), "layer": (0, None), "position": (0, None), "k": (0, None), "runner_up": (-1, None)},
+    "routing_choices": {"expert": (0, None)},
+    "allreduce": {"step": (0, None), "layer": (0, None), "ranks": (1, None), "bytes": (0, None)},
+    "live_requests": {"prompt_count": (0, None), "arrival": (0, None), "max_tokens": (0, None)},
+    "live_prompt_tokens": {"value": (0, None)},
+}
+# tables whose `step` names a step of /steps (readers look it up there); kv_writes may name a step of an
+# earlier trace segment (a prefix-cache hit), request_events a step not yet run
+STEP_TABLES = ("slices", "kernels", "tokens", "draws", "routing", "allreduce")
 
 
 def one_line(text) -> str:
@@ -66,6 +90,9 @@ def table(trace, name: str, cols: dict[str, np.ndarray], widths: dict) -> None:
         ndim = 1 if c.width is None else 2
         if a.ndim != ndim:
             raise damaged(trace.path, f"/{name} column {col} has {a.ndim} dimensions, not {ndim}")
+        if ndim == 2 and a.shape[1] != S.column_width(c, widths):
+            raise damaged(trace.path, f"/{name} column {col} is {a.shape[1]} wide, where the file's attributes say "
+                                      f"{c.width} {S.column_width(c, widths)}")
         if n is None:
             n = len(a)
         elif len(a) != n:
@@ -91,6 +118,7 @@ def contents(trace, name: str, t: dict[str, np.ndarray], *, partial: bool = Fals
             i = _first(bad)
             raise damaged(trace.path, f"/{name} row {i}: {col} {int(v[i])} is not an index into {what} "
                                       f"({limit} entries)")
+    _ranges(trace, name, t)
     for col, (count, target) in OFFSETS.get(name, {}).items():
         if target == "kv_hashes" and not trace.has_kv_hashes:
             continue  # a run without KV hashes: its writes point nowhere
@@ -102,8 +130,58 @@ def contents(trace, name: str, t: dict[str, np.ndarray], *, partial: bool = Fals
             i = _first(bad)
             raise damaged(trace.path, f"/{name} row {i}: {col} {int(off[i])} + {count} {int(cnt[i])} is past the "
                                       f"end of /{target} ({limit} rows)")
+    if name == "steps":
+        _steps(trace, t)
+    elif name in STEP_TABLES:
+        _known_steps(trace, name, t, partial)
     if name == "tokens":
         _tokens(trace, t, partial)
+
+
+def _ranges(trace, name: str, t: dict[str, np.ndarray]) -> None:
+    for col, (lo, hi) in RANGES.get(name, {}).items():
+        v = t[col]
+        bad = (v < lo) if hi is None else (v < lo) | (v > hi)
+        if bad.any():
+            i = int(np.flatnonzero(bad.reshape(len(v), -1).any(axis=1))[0])
+            x = v[i] if v.ndim == 1 else v[i][bad[i]][0]
+            want = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise damaged(trace.path, f"/{name} row {i}: {col} {int(x)} is not {want}")
+
+
+def _steps(trace, t: dict[str, np.ndarray]) -> None:
+    """Steps in the order they ran, each once (readers find a step by its index)."""
+    idx = t["index"]
+    back = np.diff(idx.astype(np.int64)) <= 0
+    if back.any():
+        i = _first(back) + 1
+        raise damaged(trace.path, f"/steps row {i}: index {int(idx[i])} does not follow {int(idx[i - 1])} (steps are "
+                                  f"recorded in order, each once)")
+
+
+def _known_steps(trace, name: str, t: dict[str, np.ndarray], partial: bool = False) -> None:
+    """Each record's step is one /steps holds (or one after this snapshot's last); a step's slices
+    (its slice_offset, slice_count rows of /slices) name that step."""
+    st = trace.steps
+    idx = st["index"]
+    step = t["step"]
+    if len(idx):
+        at = np.minimum(np.searchsorted(idx, step), len(idx) - 1)
+        bad = (step <= idx[-1]) & (idx[at] != step)
+    else:
+        bad = np.zeros(len(step), bool)
+    if bad.any():
+        i = _first(bad)
+        raise damaged(trace.path, f"/{name} row {i}: step {int(step[i])} is not a step of /steps")
+    if name != "slices" or not len(idx) or partial:
+        return
+    count = st["slice_count"].astype(np.int64)
+    rows = np.repeat(st["slice_offset"].astype(np.int64) - np.cumsum(count) + count, count) + np.arange(count.sum())
+    wrong = step[rows] != np.repeat(idx, count)
+    if wrong.any():
+        j = _first(wrong)
+        raise damaged(trace.path, f"/slices row {int(rows[j])}: step {int(step[rows[j]])}, but /steps names it a "
+                                  f"slice of step {int(np.repeat(idx, count)[j])}")
 
 
 def _tokens(trace, t: dict[str, np.ndarray], partial: bool = False) -> None:
