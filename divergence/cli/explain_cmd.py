@@ -9,7 +9,7 @@ import tempfile
 
 from .common import emit_json
 from .html_page import check_out, write_page
-from .paths import check_output_dir
+from .paths import check_output_dir, remember_outputs
 
 HELP = ("explain live requests: re-run them serially, then diff, bisect and confirm them against the live trace "
         "(the id is the `id` a divergence serve response carried)")
@@ -19,12 +19,14 @@ def add_arguments(p) -> None:
     p.add_argument("live", metavar="LIVE.h5", help="a trace divergence serve wrote (a file, or the --trace-dir: "
                    "the request is looked for in the file's rotation siblings too)")
     p.add_argument("ids", metavar="ID", nargs="+", help="request ids, as the responses carried them")
-    p.add_argument("--html", metavar="OUT.html", help="also write the report as one self-contained HTML page")
+    p.add_argument("--html", metavar="OUT.html", help="also write the report as one self-contained HTML page (an "
+                   "existing HTML page there is replaced; any other file, a trace above all, is refused)")
     p.add_argument("--json", action="store_true", help="print a JSON report (bisect --json's keys)")
     p.add_argument("--bitwise", action="store_true", help="a request whose tokens match but whose logits differ "
                    "counts as diverged: it gets a root cause and a confirmation like any other (exit 1)")
     p.add_argument("--out", metavar="DIR", help="keep the serial re-run there (serial.h5; default: a temporary "
-                   "directory, removed at the end)")
+                   "directory, removed at the end; an existing serial.h5 is replaced only if it is explain's own earlier "
+                   "output, unchanged since)")
     p.add_argument("--model", metavar="DIR", help="model directory, if it moved since the trace was recorded")
     p.add_argument("--draft", metavar="DIR", help="draft model directory, if it moved")
 
@@ -39,13 +41,15 @@ def main(args) -> int:
     found = locate(args.live, args.ids)
     html = check_out(args.html, inputs=(found.path,)) if args.html else None
     if args.out is not None:
-        check_output_dir(args.out, files=["serial.h5"], inputs=[found.path])
+        check_output_dir(args.out, files=["serial.h5"], inputs=[found.path], command="explain")
     if found.sibling:
         print(f"explain: {', '.join(found.ids)} found in {found.path}", file=sys.stderr)
     with Trace.open(found.path) as live:
         check_explainable(live, found.ids)
     with tempfile.TemporaryDirectory(prefix="divergence-explain-") as tmp:
         ref = _rerun(found, args.out or tmp, args)
+        if args.out is not None:
+            remember_outputs([ref], command="explain")  # its next run may replace it
         with Trace.open(ref) as a, Trace.open(found.path) as b:
             report = analyze(a, b, found.ids, AnalysisOptions(confirm=True, bitwise=args.bitwise,
                                                               model_dir=args.model, draft_dir=args.draft))

@@ -4,6 +4,7 @@ line, exit 2, the file's bytes unchanged and nothing else written. A command's o
 unchanged since, is replaced; so is an HTML page by an HTML page."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -46,11 +47,25 @@ CASES = {
     ("run", "--out"): lambda a, b, rec, v: ["run", "--out", v.parent, "--schedules", "serial", "--max-tokens", "2"],
     ("rerun", "--out"): lambda a, b, rec, v: ["rerun", a, "--out", v.parent],
     ("redact", "--out"): lambda a, b, rec, v: ["redact", a, b, "--out", v.parent],
+    ("explain", "--html"): lambda a, b, rec, v: ["explain", _live(b), "r1", "--html", v],
+    ("explain", "--out"): lambda a, b, rec, v: ["explain", _live(b), "r1", "--out", v.parent],
 }
-IN_A_DIR = {("run", "--out"): "serial.h5", ("rerun", "--out"): "serial.h5", ("redact", "--out"): "serial.h5"}
+IN_A_DIR = {("run", "--out"): "serial.h5", ("rerun", "--out"): "serial.h5", ("redact", "--out"): "serial.h5",
+            ("explain", "--out"): "serial.h5"}
 # output options that never meet an existing file, and why
 EXEMPT = {("serve", "--trace-dir"): "a directory; each live trace gets a new name (live-STAMP-N.h5)",
           ("replay", "--tap-out"): "internal: the parent process names a fresh temporary file"}
+
+
+def _live(trace) -> Path:
+    """A copy of `trace` beside it marked as a live server's (what explain takes)."""
+    import h5py
+
+    live = trace.with_name("live.h5")
+    shutil.copy(trace, live)
+    with h5py.File(live, "r+") as f:
+        f["meta"].attrs["settings"] = json.dumps({**json.loads(f["meta"].attrs["settings"]), "serve": {}})
+    return live
 
 
 def _victim(tmp_path, case, content: bytes, name: str) -> Path:
