@@ -107,6 +107,7 @@ def locate(path, request_ids) -> Found:
 
 def check_explainable(live, ids) -> None:
     """Every id generated a token live (a request cancelled before its first has nothing to explain)."""
+    live.select(ids)  # (their rows only)
     for rid in ids:
         if not len(live.tokens(rid).tokens):
             raise DivergenceInputError(f"request {rid!r} got no token in {live.path} (cancelled before its first, "

@@ -33,8 +33,12 @@ def recorded_requests(live) -> list[Request]:
             for r in live.requests]
 
 
-def live_lengths(live) -> dict[str, int]:
-    """Tokens each request generated in the live trace."""
+def live_lengths(live, request_ids=None) -> dict[str, int]:
+    """Tokens each request (of `request_ids`: only those, read through Trace.select's
+    ranges) generated in the live trace."""
+    if request_ids is not None:
+        live.select(request_ids)
+        return {rid: len(live.tokens(rid).tokens) for rid in request_ids}
     t = live.table("tokens", raw=True)
     counts = np.bincount(t["request"].astype(np.int64), minlength=len(live.requests))
     return {r.id: int(counts[i]) for i, r in enumerate(live.requests)}
@@ -49,13 +53,14 @@ def plan_rerun(live, request_ids=None) -> tuple[list[Request], list[Request], di
         unknown = [i for i in request_ids if i not in known]
         if unknown:
             raise PromptError(f"--requests: no request {unknown[0]!r} in {live.path} ({len(known)} requests)")
-    lengths = live_lengths(live)
+    lengths = live_lengths(live, request_ids)
     run, skipped = [], {}
     for r in recorded:
-        n = lengths[r.id]
         if request_ids is not None and r.id not in request_ids:
             skipped[r.id] = NOT_CHOSEN
-        elif n == 0:
+            continue
+        n = lengths[r.id]
+        if n == 0:
             skipped[r.id] = "the live request got no token (cancelled before its first)"
         else:
             run.append(replace(r, max_tokens=min(r.max_tokens, n)))
@@ -127,7 +132,7 @@ def rerun(live_path, out_dir, *, schedule: str = SERIAL, request_ids=None, model
         if request_ids is not None:
             known = {r.id for r in live.requests}
             if all(i in known for i in request_ids):  # (an unknown id: plan_rerun says so)
-                sources = prefix_sources(live, request_ids)
+                sources = prefix_sources(live.select(request_ids), request_ids)  # (their rows only)
                 request_ids = list(dict.fromkeys(request_ids)) + list(sources)
         recorded, requests, skipped = plan_rerun(live, request_ids)
         kv_hashes = live.has_kv_hashes
