@@ -62,7 +62,15 @@ BENCHES = {
                 "whether it keeps the logits bit for bit."),
     "first_run": ("first_run.py", "A fresh machine's first run, dominated by MLX CUDA compiling kernel modules on "
                   "first use."),
-    "confirm": ("bench_confirm.py", "What confirming causes costs as a trace grows."),
+    "confirm": ("bench_confirm.py", "What `bisect --confirm` of every diverged request costs against the `run` of "
+                "both schedules, with the sparse replay (only the steps a request needs) and the full one, and "
+                "confirming one request from the first, middle and last tenth of a large trace against that "
+                "request's own serial re-run (fixture models, the demo's settings, 32 tokens a request)."),
+    "confirm_live": ("bench_confirm.py --live N", "Real HTTP traffic: N concurrent requests through `divergence "
+                     "serve`, its trace re-run serially, then every divergence named and confirmed."),
+    "reading": ("bench_reading.py", "Peak memory (RSS) and time of `diff` and `bisect` of synthetic live-server "
+                "trace pairs up to 10 GB, every request and `--requests` two, against whole-table reads: large "
+                "traces are read as row ranges (trace/ranged.py), so memory stays bounded."),
 }
 
 
@@ -134,6 +142,27 @@ def table(name: str, data: dict) -> list[str]:
         return _rows(["side", "tree", "first run s", "second run s", "modules compiled"],
                      [[r["side"], r["tree"], f"{r['first_s']:.1f}", f"{r['second_s']:.2f}", r["modules_compiled"]]
                       for r in res])
+    if name == "confirm":
+        out = _rows(["requests", "run s", "diverged", "confirmed", "sparse confirm / run", "full confirm / run",
+                     "same causes"],
+                    [[r["requests"], f"{r['run_s']:.1f}", r["diverged"], r["confirmed"], _ratio(r["sparse_ratio"]),
+                      _ratio(r.get("full_ratio")), {True: "yes", False: "NO"}.get(r.get("same_causes"), "")]
+                     for r in data.get("scale", [])])
+        pos = data.get("position", {}).get("rows", [])
+        if pos:
+            out += ["", f"One request of a {data['position']['requests']:,}-request trace:", ""]
+            out += _rows(["where", "request", "confirm s", "confirmed", "its serial re-run s", "ratio"],
+                         [[r["where"], r.get("request") or "-", f"{r['confirm_s']:.1f}" if r.get("request") else "-",
+                           {True: "yes", False: "NO"}.get(r.get("confirmed"), "-"),
+                           f"{r['serial_rerun_s']:.2f}" if r.get("request") else "-",
+                           _ratio(r.get("ratio_to_rerun"))] for r in pos])
+        return out
+    if name == "confirm_live":
+        r = data["live"]
+        return _rows(["live requests", "model", "serve s", "serial re-run s", "diverged", "confirmed",
+                      "sparse confirm s", "full confirm s"],
+                     [[r["requests"], r["model"], f"{r['serve_s']:.1f}", f"{r['rerun_s']:.1f}", r["diverged"],
+                       r["sparse_confirmed"], f"{r['sparse_s']:.1f}", f"{r['full_s']:.1f}" if "full_s" in r else "-"]])
     return ["(no table kept: see the JSON)"]
 
 
