@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 
-import h5py
 import numpy as np
 
 from ..core.names import WARM
@@ -37,8 +36,10 @@ SCAN_ROWS = 1 << 20  # rows of one column read at a time by a scan
 GAP_ROWS = 4096  # pointed-at rows this close together are read as one range
 
 
-def runs(starts: np.ndarray, counts: np.ndarray, gap: int = GAP_ROWS) -> list[tuple[int, int]]:
-    """Row ranges [lo, hi) covering [start, start + count) of each pointer, neighbours merged."""
+def runs(starts: np.ndarray, counts: np.ndarray, gap: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges [lo, hi) covering [start, start + count) of each pointer, neighbours within
+    `gap` rows (default GAP_ROWS) merged."""
+    gap = GAP_ROWS if gap is None else gap
     keep = counts > 0
     s = starts[keep].astype(np.int64)
     if not s.size:
