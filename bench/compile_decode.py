@@ -15,6 +15,8 @@ repetitions:
 * the host's graph-building time per decode step of each engine arm (PackedForward.execute's
   wall time on the decode steps: what compiling removes; the rest of a step is MLX
   encoding, the sampler, the commit and waiting on the device);
+* the process's CPU time a generated token of each arm (every thread's; on a machine shared
+  with other work, steadier than wall time; the eager prefill's share included);
 * whether the compiled runs equal the eager ones bit for bit (tokens, top-k ids and
   logits of every request) and mlx-lm's tokens;
 * on a GPU, the time the step's weights take to stream once at the device's memory
@@ -66,19 +68,25 @@ class BuildTimer:
 
 def engine_arm(eng: Engine, timer: BuildTimer, clock: C.Clock, prompts, n: int) -> dict:
     reqs = [Request(f"r{i}", tuple(p), max_tokens=n) for i, p in enumerate(prompts)]
+    cpu = time.process_time()
     res = eng.run(reqs, "concurrent" if len(reqs) > 1 else "serial")
+    cpu = time.process_time() - cpu
     step = clock.split()["step_s_median"]
     outs = [res.outputs[r.id] for r in reqs]
     return {"ms_per_step": None if step is None else step * 1000, "build_ms": timer.take(),
+            "cpu_ms_per_token": cpu * 1000 / (len(reqs) * n),
             "tokens": [o.tokens for o in outs],
             "topk": [([a.tolist() for a in o.topk_ids], [a.view(np.uint32).tolist() for a in o.topk_logits])
                      for o in outs]}
 
 
 def mlx_arm(model, prompts, n: int) -> dict:
+    cpu = time.process_time()
     r = mlx_single(model, prompts[0], n) if len(prompts) == 1 else mlx_batch(model, prompts, n)
+    cpu = time.process_time() - cpu
     rate = r["decode_tok_s"]
-    return {"ms_per_step": len(prompts) * 1000 / rate if rate else None, "tokens": r["tokens"]}
+    return {"ms_per_step": len(prompts) * 1000 / rate if rate else None, "tokens": r["tokens"],
+            "cpu_ms_per_token": cpu * 1000 / (len(prompts) * n)}
 
 
 def weight_stream_ms(loaded) -> tuple[int, float | None]:
@@ -113,6 +121,7 @@ def bench_model(name: str, path, dtype, batches, prompt_len: int, n: int, reps: 
             for arm in order:
                 got[arm].append(run[arm]())
         ms = {a: [r["ms_per_step"] for r in got[a]] for a in ARMS}
+        cpu = {a: [r["cpu_ms_per_token"] for r in got[a]] for a in ARMS}
         build = {a: C.med([r["build_ms"] for r in got[a]]) for a in ("compiled", "eager")}
         same = all(c["tokens"] == e["tokens"] and c["topk"] == e["topk"] for c, e in zip(got["compiled"], got["eager"]))
         row = {"model": name, "dtype": t.dtype, "batch": b, "prompt_tokens": prompt_len, "tokens": n, "reps": reps,
@@ -121,23 +130,30 @@ def bench_model(name: str, path, dtype, batches, prompt_len: int, n: int, reps: 
                "mlx_lm_over_compiled": C.paired_ratio(ms["mlx_lm"], ms["compiled"]),
                "mlx_lm_over_eager": C.paired_ratio(ms["mlx_lm"], ms["eager"]),
                "build_ms_per_decode_step": build,
+               # process CPU time (every thread, MLX's CPU streams included) a generated token, the
+               # prefill's share included: on a shared machine steadier than wall time
+               "cpu_ms_per_token": {a: C.summary(cpu[a]) for a in ARMS},
+               "eager_over_compiled_cpu": C.paired_ratio(cpu["eager"], cpu["compiled"]),
+               "mlx_lm_over_compiled_cpu": C.paired_ratio(cpu["mlx_lm"], cpu["compiled"]),
                "compiled_equals_eager": same,
                "tokens_equal_mlx_lm": sum(x == y for x, y in zip(got["compiled"][0]["tokens"], got["mlx_lm"][0]["tokens"])),
                "weight_bytes": nbytes, "weight_stream_ms": floor_ms}
         rows.append(row)
         print(C.table([[name, t.dtype, b, C.fmt(C.med(ms["compiled"]), 3), C.fmt(C.med(ms["eager"]), 3),
                         C.fmt(C.med(ms["mlx_lm"]), 3), C.fmt(row["eager_over_compiled"]),
-                        C.fmt(row["mlx_lm_over_compiled"]), C.fmt(build["compiled"], 3), C.fmt(build["eager"], 3),
+                        C.fmt(row["mlx_lm_over_compiled"]), C.fmt(row["eager_over_compiled_cpu"]),
+                        C.fmt(build["compiled"], 3), C.fmt(build["eager"], 3),
                         same, f"{row['tokens_equal_mlx_lm']}/{b}", C.fmt(floor_ms, 3)]],
                       ["model", "dtype", "B", "compiled ms", "eager ms", "mlx-lm ms", "eager/comp", "mlx-lm/comp",
-                       "build comp", "build eager", "same bits", "= mlx-lm", "floor ms"]), flush=True)
+                       "eager/comp cpu", "build comp", "build eager", "same bits", "= mlx-lm", "floor ms"]), flush=True)
     return rows
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default=None, help="comma list (default fixture)")
-    ap.add_argument("--dtypes", default=None, help="comma list: float32, bfloat16, stored (default float32)")
+    ap.add_argument("--dtypes", default=None, help="comma list: float32, bfloat16, stored (default float32; "
+                                                    "a -4bit model: stored only)")
     ap.add_argument("--batches", default=None, help="batch sizes (default 1,8; --quick 1,2)")
     ap.add_argument("--quick", action="store_true", help="a check that it runs: the fixture in fp32, B=1,2, 8 tokens, 1 rep")
     ap.add_argument("--tokens", type=int, default=None, help="tokens generated per request (default 64; --quick 8)")
@@ -154,7 +170,9 @@ def main():
     results = []
     for name in (a.models or "fixture").split(","):
         path = C.model_path(name.strip(), target, a.model_cache)
-        for dtype in (a.dtypes or "float32").split(","):
+        # a quantized model runs as stored (its activations in its own dtype), once
+        dtypes = ["stored"] if name.strip().endswith("-4bit") else (a.dtypes or "float32").split(",")
+        for dtype in dtypes:
             results.append(bench_model(name.strip(), path, None if dtype == "stored" else dtype, batches,
                                        a.prompt, n, reps))
     out = C.out_path("compile", a.quick, a.out)

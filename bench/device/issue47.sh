@@ -19,7 +19,7 @@ exec > >(tee -a $R/log.txt) 2>&1
 if [ ! -f /root/site/.done ]; then
   cat $W/cudapart.* > $W/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl || exit 3
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /root/site \
-    $W/mlx-*.whl $W/mlx_lm-*.whl $W/mlx_cuda_13-*.whl && touch /root/site/.done || exit 4
+    $W/*.whl && touch /root/site/.done || exit 4
 fi
 [ -e divergence/fixtures ] || ln -sfn ../fixtures divergence/fixtures
 export PYTHONPATH=$PWD:/root/site
@@ -43,7 +43,9 @@ trap pack EXIT
 PY=python3
 CD="$PY bench/compile_decode.py --model-cache $MC --dtypes stored --batches 1,8,32,64 --tokens 64 --reps 5"
 step env.txt 20 $PY -c "import mlx.core as mx, mlx_lm; print(mx.__version__, mlx_lm.__version__, mx.default_device(), mx.device_info().get('device_name'))"
-# (1) compiled vs eager bits, op by op: the fixtures (every test of the file), then the 0.5B shape
+# (1) compiled vs eager bits, op by op: the fixtures (every test of the file, the compiled sampler's
+#     too: sampling.compiled_sampler() may default to on for MLX CUDA once it passes there), then
+#     the 0.5B shape
 step pytest_compiled.txt 150 $PY -m pytest -q -p no:cacheprovider -rA tests/engine/test_compiled_step.py
 step pytest_cuda_compiled.txt 150 $PY -m pytest -q -p no:cacheprovider -rA tests/test_cuda.py -k "compiled or b1_native_is_generate"
 # (2) decode by B: compiled vs eager vs mlx-lm, bf16 and 4-bit

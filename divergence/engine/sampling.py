@@ -71,36 +71,65 @@ def sample_on_device(logits: mx.array, *, top_k: int, full_rows=(), want_topk: b
     """One graph for every logit row: greedy ids, top-k and the chosen logit; full fp32
     logits only for `full_rows` (rows whose request samples with temperature).
     values=LOGPROBS: top-k and chosen values are mlx-lm's log-probs (logits - logsumexp, in
-    the model dtype), what traces of its BatchGenerator hold, so a replay compares bit for bit."""
+    the model dtype), what traces of its BatchGenerator hold, so a replay compares bit for bit.
+    Where compiled_sampler() says so, the graph is one mx.compile'd function, traced once per
+    shape (the same bits: tests/engine/test_compiled_step.py)."""
     rows = logits.shape[0]
     if rows == 0:
         z = mx.zeros((0,), dtype=mx.uint32)
         return DeviceSample(z, None, None, None, None, ())
-    # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
-    lse_model = mx.logsumexp(logits, axis=-1, keepdims=True)
-    logprobs = logits - lse_model
-    ids = mx.argmax(logprobs, axis=-1)
-    top_cols = top_vals = chosen = lse = None
+    k = min(top_k, logits.shape[-1])
+    if compiled_sampler():
+        out = _compiled(want_topk, k, values)(logits)
+    else:
+        out = _sample_graph(logits, want_topk, k, values)
+    ids, top_cols, top_vals, chosen, lse, packed = out[0], None, None, None, None, None
     chunk = 0
-    if want_topk:  # values stay in the model dtype: the host widens them exactly (fewer device ops)
-        src = logprobs if values == LOGPROBS else logits
-        top_cols, top_vals, chunk = device_topk(src, min(top_k, logits.shape[-1]))
-        chosen = _take_rows(src, ids[:, None])
-        # float32 logsumexp of the values, for the chosen token's probability (for fp32 logits
-        # it is the one the greedy pick used)
-        if src.dtype == mx.float32 and values != LOGPROBS:
-            lse = lse_model[:, 0]
-        else:
-            lse = mx.logsumexp(src.astype(mx.float32), axis=-1)
+    if want_topk:
+        *top_cols, top_vals, chosen, lse, packed = out[1:]
+        top_cols, chunk = tuple(top_cols), _topk_chunk(logits.shape[-1], k)
     full = None
     full_rows = tuple(full_rows)
     if full_rows:
         full = logits[mx.array(np.asarray(full_rows, dtype=np.int32))].astype(mx.float32)
-    packed = None
-    if want_topk:
-        packed = mx.concatenate([ids[:, None].astype(mx.uint32), *top_cols, _bits(top_vals), _bits(chosen),
-                                 _bits(lse[:, None])], axis=1)
     return DeviceSample(ids, top_cols, top_vals, chosen, full, full_rows, lse, packed, chunk)
+
+
+def _sample_graph(logits: mx.array, want_topk: bool, k: int, values: str) -> tuple[mx.array, ...]:
+    """(ids,) or (ids, *top-k id columns, top-k values, chosen, lse, packed) of sample_on_device."""
+    # mlx-lm: logprobs = logits - logsumexp(logits); sampler = argmax (first index on ties)
+    lse_model = mx.logsumexp(logits, axis=-1, keepdims=True)
+    logprobs = logits - lse_model
+    ids = mx.argmax(logprobs, axis=-1)
+    if not want_topk:
+        return (ids,)
+    # values stay in the model dtype: the host widens them exactly (fewer device ops)
+    src = logprobs if values == LOGPROBS else logits
+    top_cols, top_vals, _ = device_topk(src, k)
+    chosen = _take_rows(src, ids[:, None])
+    # float32 logsumexp of the values, for the chosen token's probability (for fp32 logits
+    # it is the one the greedy pick used)
+    if src.dtype == mx.float32 and values != LOGPROBS:
+        lse = lse_model[:, 0]
+    else:
+        lse = mx.logsumexp(src.astype(mx.float32), axis=-1)
+    packed = mx.concatenate([ids[:, None].astype(mx.uint32), *top_cols, _bits(top_vals), _bits(chosen),
+                             _bits(lse[:, None])], axis=1)
+    return (ids, *top_cols, top_vals, chosen, lse, packed)
+
+
+@lru_cache(maxsize=16)
+def _compiled(want_topk: bool, k: int, values: str):
+    return mx.compile(lambda logits: _sample_graph(logits, want_topk, k, values))
+
+
+def compiled_sampler() -> bool:
+    """Whether sample_on_device runs compiled: DIVERGENCE_COMPILED_STEP as for the forward's
+    decode steps (model/compiled_step.py), by default on the CPU only (proved there; not yet
+    on MLX CUDA)."""
+    from .model.compiled_step import default_on
+
+    return default_on(cuda=False)
 
 
 CHUNK = 128  # vocabulary chunk of the two-stage top-k
@@ -122,7 +151,7 @@ def device_topk(src: mx.array, k: int) -> tuple[tuple, mx.array, int]:
     (bench/first_run.py; docs/performance.md), where a flat gather is a module the model
     needs anyway. A gather moves values: the same bits either way."""
     rows, vocab = src.shape
-    if vocab % CHUNK or vocab // CHUNK <= k:
+    if not _topk_chunk(vocab, k):
         ids = mx.argpartition(src, kth=vocab - k, axis=-1)[:, vocab - k :]
         return (ids,), _take_rows(src, ids), 0
     n = vocab // CHUNK
@@ -130,6 +159,11 @@ def device_topk(src: mx.array, k: int) -> tuple[tuple, mx.array, int]:
     cand = _take_rows(src, (best[:, :, None] * CHUNK + _chunk_offsets()).reshape(rows, k * CHUNK))
     pick = mx.argpartition(cand, kth=k * CHUNK - k, axis=-1)[:, k * CHUNK - k :]
     return (best, pick), _take_rows(cand, pick), CHUNK
+
+
+def _topk_chunk(vocab: int, k: int) -> int:
+    """The chunk of device_topk's two stages at this vocabulary and k; 0: one stage."""
+    return 0 if vocab % CHUNK or vocab // CHUNK <= k else CHUNK
 
 
 def _take_rows(a: mx.array, idx: mx.array) -> mx.array:

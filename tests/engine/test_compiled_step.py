@@ -191,3 +191,32 @@ def test_compiled_b1_is_generate_step(target, target_4bit, which):
             ref = float32(row[0])
             order = np.lexsort((np.arange(ref.size), -ref))[: len(got.topk_ids[j])]
             assert got.topk_logits[j].view(np.uint32).tolist() == ref[order].view(np.uint32).tolist(), (i, j)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("values", ["logits", "logprobs"])
+def test_compiled_sampler_is_eager(monkeypatch, dtype, values):
+    """sample_on_device as one compiled graph: every array it hands on (ids, top-k columns and
+    values, the chosen logit, the logsumexp, the packed rows) bit for bit the eager graph's,
+    one- and two-stage top-k, k = 1 and 8, rows with ties."""
+    from divergence.engine import sampling
+
+    rng = np.random.default_rng(7)
+    for rows, vocab in ((1, 1024), (8, 1024), (5, 4096), (3, 1000)):
+        x = rng.standard_normal((rows, vocab)).astype(np.float32)
+        x[0, [3, 700]] = x[0].max() + 1  # a tie for the top
+        x[-1, :] = np.round(x[-1])  # many ties, at the k-th value too
+        logits = mx.array(x).astype(getattr(mx, dtype))
+        for k in (1, 8):
+            got = {}
+            for compiled in (False, True):
+                monkeypatch.setattr(sampling, "compiled_sampler", lambda c=compiled: c)
+                ds = sampling.sample_on_device(logits, top_k=k, full_rows=(0,), values=values)
+                arrays = [ds.ids, *ds.top_cols, ds.top_vals, ds.chosen, ds.lse, ds.packed, ds.full]
+                mx.eval(arrays)
+                got[compiled] = ([_bits(a) for a in arrays], ds.chunk, sampling.to_host(ds))
+            (eager, chunk_e, host_e), (comp, chunk_c, host_c) = got[False], got[True]
+            assert chunk_e == chunk_c and len(eager) == len(comp)
+            for i, (a, b) in enumerate(zip(eager, comp)):
+                assert a.shape == b.shape and np.array_equal(a, b), (rows, vocab, k, i)
+            assert np.array_equal(host_e.top_ids, host_c.top_ids) and np.array_equal(host_e.ids, host_c.ids)

@@ -36,8 +36,10 @@ per step, and handed to the segments as inputs; the rotation's multiply-adds the
 Elsewhere `mx.fast.rope` takes the positions array; at one row as a 0-d offset, which is
 what MLX makes of the Python number the eager step passes.
 
-DIVERGENCE_COMPILED_STEP=0 turns it off, =1 on; by default it is on where
-tests/engine/test_compiled_step.py proved it (the CPU; MLX CUDA: tests/test_cuda.py).
+DIVERGENCE_COMPILED_STEP=0 turns it off, =1 on; by default it is on where it was proved: the
+CPU (tests/engine/test_compiled_step.py) and MLX CUDA (the same file and tests/test_cuda.py's
+0.5B-shape comparison, on an H200: bench/results/cuda/issue47_pytest.txt). Not on Metal:
+unproved there (mlx #4461: its JIT once rounded mx.sigmoid otherwise than the eager kernel).
 """
 from __future__ import annotations
 
@@ -51,15 +53,19 @@ from ..kernels import linear as kernels
 ENV = "DIVERGENCE_COMPILED_STEP"
 
 
-def default_on() -> bool:
+def default_on(*, cuda: bool = True) -> bool:
     """Whether a forward compiles its decode steps unless told: DIVERGENCE_COMPILED_STEP, else
-    on the backends where the compiled step was proved bit for bit against the eager one."""
+    on the backends where the compiled step was proved bit for bit against the eager one.
+    cuda=False: for a graph proved on the CPU only (the sampler's: sampling.compiled_sampler)."""
     v = os.environ.get(ENV, "").strip().lower()
     if v in ("0", "off", "no", "false"):
         return False
     if v in ("1", "on", "yes", "true"):
         return True
-    return mx.default_device() == mx.cpu
+    if mx.default_device() == mx.cpu:
+        return True
+    backend = getattr(mx, "cuda", None)  # (Metal is not proved: its JIT once rounded mx.sigmoid otherwise)
+    return cuda and backend is not None and backend.is_available()
 
 
 class _Tracer:
