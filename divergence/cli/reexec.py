@@ -59,10 +59,11 @@ def run_under_recorded_environment(args, argv) -> int | None:
                                        f"(a replay here would differ for that reason alone)")
     if not rep.needs_child:
         return None
-    print(f"note: replaying under the recorded BLAS environment ({rep.describe()}) in a child process",
-          file=sys.stderr)
-    sys.stderr.flush()
-    return call_child([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
+    code = call_child([sys.executable, "-m", "divergence", *argv], env=child_environment(rep))
+    if code != 2:  # (bad input: the child's one line is all there is to say)
+        print(f"note: replayed under the recorded BLAS environment ({rep.describe()}) in a child process",
+              file=sys.stderr)
+    return code
 
 
 def run_under_requested_core(args, argv) -> int | None:

@@ -113,7 +113,7 @@ def test_run_identical_is_0_and_bad_input_2(tmp_path, capsys):
     (["--temperature", "-1"], "--temperature must be >= 0"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--seed", "-3"], "--seed must be an integer"),
+    (["--seed", "1.5"], "--seed: invalid int value"),  # any integer is a seed (-3 too: docs/prompts.md)
 ])
 def test_run_sampling_defaults_are_checked(argv, needle, tmp_path, capsys):
     rc, _, err = run(["run", *argv, "--out", tmp_path / "t"], capsys)
