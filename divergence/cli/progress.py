@@ -19,11 +19,14 @@ def on_tty() -> bool:
 class StepLine(Observer):
     """An engine observer that keeps one `\\r` line: 'replaying step 120/433'."""
 
-    def __init__(self, what: str, total: int, *, every_s: float = 0.1):
+    def __init__(self, what: str, total, *, every_s: float = 0.1):
         self.what, self.total, self.every_s = what, total, every_s
         self.done = 0
         self._last = 0.0
         self._shown = False
+
+    def text(self) -> str:
+        return f"{self.what} step {self.done}/{self.total}"
 
     def on_step(self, event) -> None:
         self.done += 1
@@ -31,7 +34,7 @@ class StepLine(Observer):
         if now - self._last >= self.every_s:
             self._last = now
             self._shown = True
-            sys.stderr.write(f"\r{self.what} step {self.done}/{self.total}")
+            sys.stderr.write(f"\r{self.text()}")
             sys.stderr.flush()
 
     def on_run_end(self, completed: bool) -> None:
@@ -41,29 +44,19 @@ class StepLine(Observer):
             self._shown = False
 
 
-class RunLine(Observer):
-    """An engine observer for a run whose length is not known ahead (a re-run): one `\\r` line,
-    're-running serially: step 120, 340 tokens'."""
+class RunLine(StepLine):
+    """A StepLine for a run whose length is not known ahead (a re-run): 're-running serially:
+    step 120, 340 tokens'."""
 
     def __init__(self, what: str, *, every_s: float = 0.1):
-        self.what, self.every_s = what, every_s
-        self.steps = self.tokens = 0
-        self._last = 0.0
-        self._shown = False
+        super().__init__(what, None, every_s=every_s)
+        self.tokens = 0
 
     def on_token(self, event) -> None:
         self.tokens += 1
 
-    def on_step(self, event) -> None:
-        self.steps += 1
-        now = time.monotonic()
-        if now - self._last >= self.every_s:
-            self._last = now
-            self._shown = True
-            sys.stderr.write(f"\r{self.what}: step {self.steps}, {self.tokens} tokens")
-            sys.stderr.flush()
-
-    on_run_end = StepLine.on_run_end
+    def text(self) -> str:
+        return f"{self.what}: step {self.done}, {self.tokens} tokens"
 
 
 @contextlib.contextmanager
