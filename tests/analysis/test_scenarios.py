@@ -196,6 +196,7 @@ def test_a_sampler_cause_is_led_by_the_draft_step_and_confirmed_at_the_draw(tmp_
                      r"token \d+'s \[0\.\d{4}, 0\.\d{4}\) in concurrent", text)
 
 
+@pytest.mark.blas  # traces/v1 was recorded under OpenBLAS: under another BLAS the replay runs in a child
 def test_a_trace_from_before_draws_and_schema_2_still_replays_bit_for_bit(capsys):
     """The committed schema-1 demo pair (no draws, no token logits) replays faithfully."""
     from divergence.fixtures import DRAFT, TARGET
