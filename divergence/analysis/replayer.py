@@ -12,8 +12,6 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-import numpy as np
-
 from ..core.atomic import temp_name
 from ..core.names import ATTENTION, BATCH_GENERATOR, LOGPROBS, PADDED, PER_SEQ, REPLAYABLE_ENGINES
 from ..core.policy import KernelPolicy
@@ -35,6 +33,7 @@ from .forcing import owner_of
 from .ops import OpRows, first_op_difference
 from .replay_progress import REPLAY_PROGRESS
 from .relayout import admissions, relayout
+from .run_view import TracePlans
 from .sparse import SparseWindow, plan_window
 
 
@@ -170,13 +169,7 @@ class Replayer:
         """The recorded plans (of steps first..last), each read from the trace once."""
         if first is None:
             return self._once(trace, "plans", lambda: list(trace.iter_plans()))
-        have = self._once(trace, "plans_by_index", dict)
-        index = self._once(trace, "step_index", lambda: np.sort(np.asarray(trace.steps["index"], np.int64)))
-        want = index[(index >= first) & (index <= last)]
-        for i in want.tolist():
-            if i not in have:
-                have[i] = trace.step_plan(i)
-        return [have[i] for i in want.tolist()]
+        return self._once(trace, "plans_by_index", lambda: TracePlans(trace)).between(first, last)
 
     def _draws(self, trace) -> dict:
         from ..engine.replay import recorded_draws  # (lazy: loads MLX)

@@ -36,9 +36,9 @@ class RunRecord(Observer):
         self.kv.append(w)
 
 
-class _TracePlans(Mapping):
-    """A trace's step plans by index, each read when first asked for (a sparse re-run's check
-    reads the steps it ran, not the whole trace)."""
+class TracePlans(Mapping):
+    """A trace's step plans by index, each read when first asked for (a sparse replay and its
+    re-run check read the steps they ran, not the whole trace)."""
 
     def __init__(self, trace):
         self.trace = trace
@@ -51,6 +51,10 @@ class _TracePlans(Mapping):
                 raise KeyError(i)
             self._have[i] = self.trace.step_plan(int(i))
         return self._have[i]
+
+    def between(self, first: int, last: int) -> list:
+        """The plans of steps first..last, in step order."""
+        return [self[i] for i in self.index[(self.index >= first) & (self.index <= last)].tolist()]
 
     def __iter__(self):
         return iter(self.index.tolist())
@@ -69,7 +73,7 @@ class RunView:
         self._by_step: dict = {}
         if self.is_trace:
             self.schedule = run.meta.get("schedule")
-            self.plans = _TracePlans(run)
+            self.plans = TracePlans(run)
             self.has_kv = bool(run.has_kv_hashes)
             ks = run.kernels()
             steps = np.asarray(ks["step"], np.int64)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.events import StepPlan
 from ..core.names import WARM
+from .run_view import TracePlans
 
 MOE = "MoE: the expert kernels group a step's rows by every row's routing, which stand-ins would not keep"
 TP = "tensor parallel: a sparse replay across ranks is not proved faithful"
@@ -41,11 +41,6 @@ class SparseWindow:
     steps: int  # how many recorded steps that is
     of: int  # of how many the trace holds
 
-    def plans(self, plans: list[StepPlan]) -> list[StepPlan]:
-        return [p for p in plans if self.first <= p.index <= self.last]
-
-    def words(self) -> str:
-        return f"sparse replay: steps {self.first}-{self.last} ({self.steps} of {self.of})"
 
 
 def prefix_readers(requests, settings: dict, schedule: str) -> dict[str, set]:
@@ -101,12 +96,6 @@ def plan_window(trace, focus, until: int | None, forced_steps=(), plans_in=None)
     last_index = int(index.max()) if index.size else 0
     last = last_index if until is None else min(int(until), last_index)
     first = min([firsts[r] for r in real] + [int(s) for s in forced_steps], default=0)
-    window = (plans_in or (lambda lo, hi: window_plans(trace, lo, hi)))(first, last)
+    window = (plans_in or TracePlans(trace).between)(first, last)
     stand_ins = {s.request_id for p in window for s in p.slices} - real
     return SparseWindow(first, last, frozenset(real), frozenset(stand_ins), len(window), int(index.size))
-
-
-def window_plans(trace, first: int, last: int) -> list[StepPlan]:
-    """The recorded plans of steps first..last, in step order."""
-    index = np.asarray(trace.steps["index"], np.int64)
-    return [trace.step_plan(int(i)) for i in np.sort(index[(index >= first) & (index <= last)])]

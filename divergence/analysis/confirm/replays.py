@@ -44,39 +44,34 @@ def _run_checked(replayer, b, forced: dict, focus, until, observers=()):
         until = None  # a relayout moves the request's token sites (and may drop some): run to the end
     elif until is not None and forced:  # every forced step runs (the check reads each), a later draft step too
         until = max(until, max(int(s) for s in forced))
-    record = RunRecord(kv_hashes=b.has_kv_hashes)
-    try:
-        got = replayer.run(b, forced=forced, observers=[*observers, record], focus=focus, stop_after=until)
-        if getattr(got, "window", None) is not None:
-            check_replay(b, record, forced, got.window)
-            return got
-    except (ValueError, NotARerun) as e:
-        if focus is None:
-            if isinstance(e, ValueError):  # a forcing the replay cannot lay out: this cause stays unconfirmed
-                raise ForcingRefused(str(e)) from e
-            raise
-        why = f"the sparse replay {'failed its re-run check' if isinstance(e, NotARerun) else 'refused'}: {e}"
-        got = None
-    else:
-        why = getattr(got, "full_because", None)
-        if focus is None or why is not None:  # it ran in full already
-            check_replay(b, record, forced)
-            return got
+    why = None
+    if focus is not None:
+        record = RunRecord(kv_hashes=b.has_kv_hashes)
+        try:
+            got = replayer.run(b, forced=forced, observers=[*observers, record], focus=focus, stop_after=until)
+        except ValueError as e:
+            why = f"the sparse replay refused: {e}"
+        else:
+            if getattr(got, "window", None) is None:  # it ran the whole trace already (sparse off, or not known faithful here)
+                check_replay(b, record, forced)
+                return got
+            try:
+                check_replay(b, record, forced, got.window)
+                return got
+            except NotARerun as e:
+                why = f"the sparse replay failed its re-run check: {e}"
     record = RunRecord(kv_hashes=b.has_kv_hashes)
     try:
         got = replayer.run(b, forced=forced, observers=[*observers, record], stop_after=until)
-    except ValueError as e:
+    except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
         raise ForcingRefused(str(e)) from e
     check_replay(b, record, forced)
     got.full_because = why
     return got
 
 
-def checked_replay(replayer, b, forced: dict, *, focus=None, until: int | None = None):
-    """Replay B with `forced`, checked to be B with only that change; memoised per replayer
-    (the check records the replay, so a memoising replayer would not memoise it). focus,
-    until: the requests whose bits are asked for, and the last step they are asked at (a
-    sparse replay: analysis/sparse.py)."""
+def _memo(replayer) -> dict:
+    """The replayer's checked replays (a replayer that takes no attributes: a fresh dict)."""
     memo = getattr(replayer, "_checked_replays", None)
     if memo is None:
         memo = {}
@@ -84,6 +79,15 @@ def checked_replay(replayer, b, forced: dict, *, focus=None, until: int | None =
             replayer._checked_replays = memo
         except AttributeError:
             pass
+    return memo
+
+
+def checked_replay(replayer, b, forced: dict, *, focus=None, until: int | None = None):
+    """Replay B with `forced`, checked to be B with only that change; memoised per replayer
+    (the check records the replay, so a memoising replayer would not memoise it). focus,
+    until: the requests whose bits are asked for, and the last step they are asked at (a
+    sparse replay: analysis/sparse.py)."""
+    memo = _memo(replayer)
     key = _memo_key(b, forced, focus, until)
     if key in memo and memo[key][0] is b:
         return memo[key][1]
@@ -109,15 +113,11 @@ def share_replay(replayer, b, forced: dict, until: dict) -> None:
     nothing for this forcing. A sparse replay's bits of a request do not depend on which other
     requests it also gives (tests/analysis/test_sparse_replay.py), and its re-run check covers
     them all."""
-    if getattr(replayer, "_checked_replays", None) is None:
-        try:
-            replayer._checked_replays = {}
-        except AttributeError:
-            return
+    memo = _memo(replayer)
     steps = [s for s in until.values() if s is not None]
     got = _run_checked(replayer, b, forced, set(until), max(steps) if len(steps) == len(until) else None)
     for rid, last in until.items():
-        _remember(replayer._checked_replays, _memo_key(b, forced, {rid}, last), b, got)
+        _remember(memo, _memo_key(b, forced, {rid}, last), b, got)
 
 
 def step_of_token(b, rid: str, n: int) -> int | None:
