@@ -63,7 +63,8 @@ BENCHES = {
     "first_run": ("first_run.py", "A fresh machine's first run, dominated by MLX CUDA compiling kernel modules on "
                   "first use."),
     "confirm": ("bench_confirm.py", "What `bisect --confirm` of every diverged request costs against the `run` of "
-                "both schedules, with the sparse replay (only the steps a request needs) and the full one, and "
+                "both schedules, with the sparse replay (only the steps a request needs) and the full one (every step from the "
+                "first to the one the check reads), and "
                 "confirming one request from the first, middle and last tenth of a large trace against that "
                 "request's own serial re-run (fixture models, the demo's settings, 32 tokens a request)."),
     "confirm_live": ("bench_confirm.py --live N", "Real HTTP traffic: N concurrent requests through `divergence "
@@ -148,6 +149,8 @@ def table(name: str, data: dict) -> list[str]:
                     [[r["requests"], f"{r['run_s']:.1f}", r["diverged"], r["confirmed"], _ratio(r["sparse_ratio"]),
                       _ratio(r.get("full_ratio")), {True: "yes", False: "NO"}.get(r.get("same_causes"), "")]
                      for r in data.get("scale", [])])
+        out += [f"\n{r['requests']} requests: {r['note']} (commit {str(r['meta']['git_commit'])[:7]})."
+                for r in data.get("scale", []) if r.get("note")]
         pos = data.get("position", {}).get("rows", [])
         if pos:
             out += ["", f"One request of a {data['position']['requests']:,}-request trace:", ""]
