@@ -47,7 +47,6 @@ import os
 
 import mlx.core as mx
 
-from ...core.policy import NATIVE
 from ..kernels import linear as kernels
 
 ENV = "DIVERGENCE_COMPILED_STEP"
