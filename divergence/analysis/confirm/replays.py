@@ -28,10 +28,12 @@ class NotARerun(Exception):
     tokens prove nothing; the message is the first difference."""
 
 
-def check_replay(b, record, forced: dict, window=None) -> None:
+def check_replay(b, record, forced: dict, window=None, until: int | None = None) -> None:
     """Raise NotARerun unless the recorded replay is B with only `forced` changed (a sparse
-    replay: on the steps it ran, for the requests it gives exactly)."""
-    got = check_rerun(b, record, min(forced) if forced else None, asked_of_forcing(forced), window=window)
+    replay: on the steps it ran, for the requests it gives exactly; a replay that stopped after
+    step `until` with nothing forced: up to that step)."""
+    first = min(forced) if forced else (until + 1 if until is not None else None)
+    got = check_rerun(b, record, first, asked_of_forcing(forced), window=window)
     if not got.valid:
         raise NotARerun(got.first_difference)
 
@@ -53,10 +55,10 @@ def _run_checked(replayer, b, forced: dict, focus, until, observers=()):
             why = f"the sparse replay refused: {e}"
         else:
             if getattr(got, "window", None) is None:  # it ran the whole trace already (sparse off, or not known faithful here)
-                check_replay(b, record, forced)
+                check_replay(b, record, forced, until=until)
                 return got
             try:
-                check_replay(b, record, forced, got.window)
+                check_replay(b, record, forced, got.window, until)
                 return got
             except NotARerun as e:
                 why = f"the sparse replay failed its re-run check: {e}"
@@ -65,7 +67,7 @@ def _run_checked(replayer, b, forced: dict, focus, until, observers=()):
         got = replayer.run(b, forced=forced, observers=[*observers, record], stop_after=until)
     except ValueError as e:  # a forcing the replay cannot lay out: this cause stays unconfirmed
         raise ForcingRefused(str(e)) from e
-    check_replay(b, record, forced)
+    check_replay(b, record, forced, until=until)
     got.full_because = why
     return got
 
